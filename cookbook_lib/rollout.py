@@ -1,0 +1,153 @@
+"""Playing episodes: one environment against one policy, until an end cause.
+
+A *policy* is any callable ``policy(messages, tool_specs)`` returning the next assistant
+``Message`` (or a :class:`PolicyStep`), directly or as an awaitable. Scripted policies return
+messages; model policies return a ``PolicyStep`` carrying the sampled tokens, or an end cause
+when no message could be produced (the context is full, or the output did not parse).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from cookbook_lib.envs.base import Env, StepResult, Task
+from cookbook_lib.episode import EndCause, Episode, EpisodeError, Turn
+from cookbook_lib.types import Message, ToolSpec
+
+logger = logging.getLogger(__name__)
+
+OnEnvError = Literal["end_episode", "raise"]
+EnvFactory = Callable[[Task], Env]
+
+
+@dataclass
+class PolicyStep:
+    """A policy's move. ``end_cause`` set means no valid message: the loop ends the episode.
+
+    ``message`` may still be set with an ``end_cause`` (the raw text of an unparsable reply),
+    so the episode record shows what the model wrote; it is never sent to the environment.
+    """
+
+    message: Message | None
+    end_cause: EndCause | None = None
+    turn: Turn | None = None
+
+
+PolicyOutput = Union[Message, PolicyStep]  # noqa: UP007 - used at runtime in isinstance-free code
+Policy = Callable[[list[Message], list[ToolSpec]], Union[PolicyOutput, Awaitable[PolicyOutput]]]  # noqa: UP007
+
+
+async def _next_step(policy: Policy, messages: list[Message], tool_specs: list[ToolSpec]) -> PolicyStep:
+    output = policy(messages, tool_specs)
+    if inspect.isawaitable(output):
+        output = await output
+    if isinstance(output, PolicyStep):
+        return output
+    if not isinstance(output, dict) or output.get("role") != "assistant":
+        raise TypeError(f"a policy must return an assistant Message or a PolicyStep, got {output!r}")
+    return PolicyStep(message=output)
+
+
+async def run_episode(
+    env: Env | EnvFactory,
+    task: Task,
+    policy: Policy,
+    *,
+    max_turns: int,
+    on_env_error: OnEnvError = "end_episode",
+    failed_parse_reward: float = 0.0,
+) -> Episode:
+    """Play one episode of ``env`` (or of ``env(task)`` for a factory) and return its record.
+
+    ``close()`` is called exactly once on every way out. An exception escaping the env's
+    ``reset``/``step``/``close`` (or the factory) ends this episode with ``EndCause.ERROR`` and the
+    traceback kept, or, with ``on_env_error="raise"``, stops the run as :class:`EpisodeError`.
+    Exceptions from the policy itself are bugs of the caller's and propagate (after ``close``).
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+    if on_env_error not in ("end_episode", "raise"):
+        raise ValueError(f"on_env_error must be 'end_episode' or 'raise', got {on_env_error!r}")
+    started = time.perf_counter()
+    record = Episode(task=task, messages=[], reward=0.0, end_cause=EndCause.ERROR)
+    env_instance: Env | None = None
+    try:
+        try:
+            env_instance = env if isinstance(env, Env) else env(task)
+            record.messages = list(await env_instance.reset(task))
+        except Exception as exc:
+            _record_error(record, exc, "reset", on_env_error)
+            return record
+        await _play(env_instance, record, policy, max_turns, on_env_error, failed_parse_reward)
+        return record
+    finally:
+        if env_instance is not None:
+            await _close(env_instance, record, on_env_error)
+        record.wall_time_s = time.perf_counter() - started
+
+
+async def _play(
+    env: Env,
+    record: Episode,
+    policy: Policy,
+    max_turns: int,
+    on_env_error: OnEnvError,
+    failed_parse_reward: float,
+) -> None:
+    while True:
+        if record.num_turns >= max_turns:
+            record.end_cause = EndCause.MAX_TURNS
+            return
+        move = await _next_step(policy, list(record.messages), env.tool_specs)
+        record.num_turns += 1
+        if move.turn is not None:
+            record.turns.append(move.turn)
+        if move.end_cause is not None:
+            if move.message is not None:
+                record.messages.append(move.message)
+            record.end_cause = move.end_cause
+            # The episode ended outside the env: no final step, so no env reward.
+            record.reward = failed_parse_reward if move.end_cause is EndCause.PARSE_FAILURE else 0.0
+            return
+        assert move.message is not None, "a PolicyStep without end_cause must carry a message"
+        try:
+            result: StepResult = await env.step(move.message)
+        except Exception as exc:
+            record.messages.append(move.message)
+            _record_error(record, exc, "step", on_env_error)
+            return
+        record.messages = list(result.messages)
+        record.metrics = dict(result.metrics)
+        if result.terminated or result.truncated:
+            record.reward = float(result.reward)
+            record.end_cause = EndCause.TERMINATED if result.terminated else EndCause.ENV
+            return
+        # Only a step that ends the episode sets its reward; an intermediate one is kept in case
+        # the loop ends the episode next (MAX_TURNS), as the seed's "last step" rule says.
+        record.reward = float(result.reward)
+
+
+def _record_error(record: Episode, exc: BaseException, where: str, on_env_error: OnEnvError) -> None:
+    record.end_cause = EndCause.ERROR
+    record.reward = 0.0
+    record.error = f"Env.{where} raised:\n" + "".join(traceback.format_exception(exc))
+    if on_env_error == "raise":
+        raise EpisodeError(f"the environment failed in {where}() on task {record.task.prompt!r}") from exc
+    logger.warning("episode ended by an environment error in %s(): %r", where, exc)
+
+
+async def _close(env: Env, record: Episode, on_env_error: OnEnvError) -> None:
+    try:
+        await env.close()
+    except Exception as exc:
+        note = "Env.close raised:\n" + "".join(traceback.format_exception(exc))
+        record.error = f"{record.error}\n{note}" if record.error else note
+        logger.warning("Env.close() raised %r; the episode keeps its result", exc)
+        if on_env_error == "raise":
+            raise EpisodeError("the environment failed in close()") from exc
