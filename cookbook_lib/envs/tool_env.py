@@ -60,13 +60,23 @@ class ToolEnv(Env):
         self._tool_errors += outcome.num_errors
         if outcome.stop_requested:
             return self._finish(task)
-        return StepResult(terminated=False, truncated=False, messages=list(self._messages), reward=0.0,
-                          metrics=self.episode_metrics())
+        return StepResult(
+            terminated=False,
+            truncated=False,
+            messages=list(self._messages),
+            reward=0.0,
+            metrics=self.episode_metrics(),
+        )
 
     def _finish(self, task: Task) -> StepResult:
         reward = float(self.score(task, self._messages))
-        return StepResult(terminated=True, truncated=False, messages=list(self._messages), reward=reward,
-                          metrics=self.episode_metrics())
+        return StepResult(
+            terminated=True,
+            truncated=False,
+            messages=list(self._messages),
+            reward=reward,
+            metrics=self.episode_metrics(),
+        )
 
     def episode_metrics(self) -> dict[str, float]:
         """Diagnostics of the episode so far; the loop keeps those of the last step."""

@@ -41,7 +41,9 @@ def parse_arguments(tool: Tool, arguments: str) -> dict:
     except json.JSONDecodeError as exc:
         raise ToolArgumentError(f"arguments of {tool.name} are not valid JSON ({exc.msg})") from None
     if not isinstance(decoded, dict):
-        raise ToolArgumentError(f"arguments of {tool.name} must be a JSON object, got {type(decoded).__name__}")
+        raise ToolArgumentError(
+            f"arguments of {tool.name} must be a JSON object, got {type(decoded).__name__}"
+        )
     try:
         jsonschema.validate(decoded, tool.parameters_schema)
     except jsonschema.ValidationError as exc:
