@@ -79,9 +79,6 @@ class Episode:
     num_turns: int = 0  # assistant turns taken
     wall_time_s: float = 0.0
     turns: list[Turn] = field(default_factory=list)
-    # The whole episode as one token sequence, and which of its tokens the model sampled.
-    tokens_T: list[int] = field(default_factory=list)
-    assistant_mask_T: list[bool] = field(default_factory=list)
 
     @property
     def terminated(self) -> bool:
@@ -91,13 +88,16 @@ class Episode:
     def truncated(self) -> bool:
         return self.end_cause.is_truncation
 
+    def token_sequences(self) -> list[TokenSequence]:
+        """The episode as training sequences: usually one; more where the history was rewritten."""
+        return token_sequences(self.turns)
+
     def to_dict(self, include_tokens: bool = True) -> dict[str, Any]:
         """A JSON-ready dict (for ``episodes.jsonl``)."""
         record = asdict(self)
         record["end_cause"] = self.end_cause.value
         if not include_tokens:
-            for key in ("turns", "tokens_T", "assistant_mask_T"):
-                record.pop(key)
+            record.pop("turns")
         return record
 
     @classmethod
@@ -107,3 +107,42 @@ class Episode:
         record["end_cause"] = EndCause(record["end_cause"])
         record["turns"] = [Turn(**turn) for turn in record.get("turns", [])]
         return cls(**record)
+
+
+@dataclass
+class TokenSequence:
+    """One token sequence of an episode and, per token, whether the model sampled it.
+
+    Sampled tokens carry their sampling log-prob and policy version; prompt, tool and closing
+    tokens carry 0.0 and -1 and are never trained.
+    """
+
+    tokens_T: list[int]
+    assistant_mask_T: list[bool]
+    sampling_logprobs_T: list[float]
+    policy_versions_T: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens_T)
+
+
+def token_sequences(turns: list[Turn]) -> list[TokenSequence]:
+    """Stitch an episode's turns into sequences.
+
+    Each turn's prompt normally extends the previous turn's prompt + sampled tokens (token-exact
+    rendering), so the turns form one sequence. Where it does not (a chat template rewrote the
+    history, e.g. dropped earlier ``<think>`` blocks), a new sequence starts, so no sequence holds
+    tokens the model did not see when it sampled.
+    """
+    sequences: list[TokenSequence] = []
+    current: TokenSequence | None = None
+    for turn in turns:
+        if current is None or turn.prompt_tokens[: len(current)] != current.tokens_T:
+            current = TokenSequence([], [], [], [])
+            sequences.append(current)
+        extra = turn.prompt_tokens[len(current) :]
+        current.tokens_T += extra + turn.sampled_tokens
+        current.assistant_mask_T += [False] * len(extra) + [True] * len(turn.sampled_tokens)
+        current.sampling_logprobs_T += [0.0] * len(extra) + list(turn.logprobs)
+        current.policy_versions_T += [-1] * len(extra) + list(turn.policy_versions)
+    return sequences

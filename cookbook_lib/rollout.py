@@ -8,6 +8,7 @@ when no message could be produced (the context is full, or the output did not pa
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -151,3 +152,37 @@ async def _close(env: Env, record: Episode, on_env_error: OnEnvError) -> None:
         logger.warning("Env.close() raised %r; the episode keeps its result", exc)
         if on_env_error == "raise":
             raise EpisodeError("the environment failed in close()") from exc
+
+
+async def run_group(
+    env_factory: EnvFactory,
+    task: Task,
+    policy_factory: Callable[[], Policy],
+    group_size: int,
+    *,
+    max_turns: int,
+    on_env_error: OnEnvError = "end_episode",
+    failed_parse_reward: float = 0.0,
+) -> list[Episode]:
+    """Play ``group_size`` episodes of one task concurrently, each with a fresh env and policy.
+
+    The episodes share whatever the policies share (a batching generator serves their requests
+    together). If one episode raises, the others are cancelled, and so closed, before it propagates.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    async with asyncio.TaskGroup() as group:
+        tasks = [
+            group.create_task(
+                run_episode(
+                    env_factory,
+                    task,
+                    policy_factory(),
+                    max_turns=max_turns,
+                    on_env_error=on_env_error,
+                    failed_parse_reward=failed_parse_reward,
+                )
+            )
+            for _ in range(group_size)
+        ]
+    return [t.result() for t in tasks]

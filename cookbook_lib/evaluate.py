@@ -1,0 +1,153 @@
+"""Scoring a model on an environment: play episodes, report reward, pass@k and end causes.
+
+``evaluate`` is what a user runs before training ("can the base model do this at all?") and what
+validation runs during training. It writes every episode to ``runs/<run_name>/episodes.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from cookbook_lib.asyncio_utils import run_sync
+from cookbook_lib.envs.base import Task
+from cookbook_lib.episode import EndCause, Episode
+from cookbook_lib.rollout import EnvFactory, OnEnvError, Policy, run_group
+
+
+@dataclass
+class EvalReport:
+    """What an evaluation found. ``pass_at_k[k]``: the chance that k tries include a success."""
+
+    mean_reward: float
+    reward_std: float
+    pass_at_k: dict[int, float]
+    end_causes: dict[str, int]
+    num_episodes: int
+    sampled_tokens: int
+    wall_time_s: float
+    episodes: list[Episode] = field(repr=False)
+    episodes_path: Path | None = None
+
+    def summary(self) -> dict[str, float | int]:
+        """The headline numbers, flat, for a table row or a log line."""
+        row: dict[str, float | int] = {
+            "mean_reward": round(self.mean_reward, 4),
+            "episodes": self.num_episodes,
+            **{f"pass@{k}": round(v, 4) for k, v in self.pass_at_k.items()},
+            **{f"{cause.lower()}": self.end_causes.get(cause, 0) for cause in _CAUSE_NAMES},
+            "sampled_tokens": self.sampled_tokens,
+            "wall_time_s": round(self.wall_time_s, 2),
+        }
+        return row
+
+
+_CAUSE_NAMES = [cause.value for cause in EndCause]
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k of one task (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if k > num_samples:
+        raise ValueError(f"pass@{k} needs at least {k} samples per task, got {num_samples}")
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def summarize(
+    groups: Sequence[Sequence[Episode]], wall_time_s: float, success_threshold: float = 1.0
+) -> EvalReport:
+    """Build a report from groups of episodes (one group per task)."""
+    episodes = [episode for group in groups for episode in group]
+    if not episodes:
+        raise ValueError("no episodes to summarize")
+    rewards = [episode.reward for episode in episodes]
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    group_size = min(len(group) for group in groups)
+    ks = sorted({1, group_size})
+    passes = {
+        k: sum(
+            pass_at_k(len(group), sum(e.reward >= success_threshold for e in group), k) for group in groups
+        )
+        / len(groups)
+        for k in ks
+    }
+    causes = Counter(episode.end_cause.value for episode in episodes)
+    sampled = sum(len(turn.sampled_tokens) for episode in episodes for turn in episode.turns)
+    return EvalReport(
+        mean_reward=mean,
+        reward_std=std,
+        pass_at_k=passes,
+        end_causes=dict(causes),
+        num_episodes=len(episodes),
+        sampled_tokens=sampled,
+        wall_time_s=wall_time_s,
+        episodes=episodes,
+    )
+
+
+def write_episodes(episodes: Sequence[Episode], path: Path) -> Path:
+    """One JSON line per episode (tokens included), for later inspection."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for episode in episodes:
+            handle.write(json.dumps(episode.to_dict()) + "\n")
+    return path
+
+
+def read_episodes(path: str | Path) -> list[Episode]:
+    with Path(path).open() as handle:
+        return [Episode.from_dict(json.loads(line)) for line in handle if line.strip()]
+
+
+def default_run_name(prefix: str) -> str:
+    return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+
+
+async def evaluate_policy_async(
+    policy_factory: Callable[[], Policy],
+    tasks: Sequence[Task],
+    env_factory: EnvFactory,
+    *,
+    episodes_per_task: int = 4,
+    max_turns: int = 6,
+    on_env_error: OnEnvError = "end_episode",
+    failed_parse_reward: float = 0.0,
+    success_threshold: float = 1.0,
+    run_dir: str | Path | None = None,
+) -> EvalReport:
+    """Evaluate any policy (a scripted one, or a model's): every task's group runs concurrently."""
+    if not tasks:
+        raise ValueError("evaluate needs at least one task")
+    started = time.perf_counter()
+    groups = await asyncio.gather(
+        *(
+            run_group(
+                env_factory,
+                task,
+                policy_factory,
+                episodes_per_task,
+                max_turns=max_turns,
+                on_env_error=on_env_error,
+                failed_parse_reward=failed_parse_reward,
+            )
+            for task in tasks
+        )
+    )
+    report = summarize(groups, time.perf_counter() - started, success_threshold)
+    if run_dir is not None:
+        report.episodes_path = write_episodes(report.episodes, Path(run_dir) / "episodes.jsonl")
+    return report
+
+
+def evaluate_policy(*args, **kwargs) -> EvalReport:
+    """Sync form of :func:`evaluate_policy_async` (works inside notebooks too)."""
+    return run_sync(evaluate_policy_async(*args, **kwargs))
