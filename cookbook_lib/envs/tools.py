@@ -74,7 +74,7 @@ async def run_tool_call(
         content, failed, stop = str(result.content), False, bool(result.should_stop)
     except ToolArgumentError as exc:
         content, failed, stop = f"{TOOL_ERROR_PREFIX}{exc}", True, False
-    except asyncio.TimeoutError:
+    except TimeoutError:
         content, failed, stop = f"{TOOL_ERROR_PREFIX}{name} timed out after {timeout_s} s", True, False
     except Exception as exc:  # a tool's own failure is the model's feedback, not a crash
         content, failed, stop = f"{TOOL_ERROR_PREFIX}{exc!r}", True, False
