@@ -36,3 +36,9 @@ def math_expert(messages: list[Message], tool_specs: list[ToolSpec]) -> Message:
 
 
 __all__ = ["math_expert"]
+
+
+# The tool-use game's expert lives with the game; re-exported so both experts are found here.
+from envs.tool_use_game import make_tool_use_game_expert, tool_use_game_expert  # noqa: E402
+
+__all__ = ["make_tool_use_game_expert", "math_expert", "tool_use_game_expert"]
