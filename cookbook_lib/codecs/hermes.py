@@ -1,0 +1,164 @@
+"""The Hermes/Qwen tool-call format, as text: the tools block of a system prompt, the rendering of
+an assistant message with tool calls, and the parser that reads a sampled reply back.
+
+A tool call is one JSON object per ``<tool_call>`` block::
+
+    Let me look that up.
+    <tool_call>
+    {"name": "lookup", "arguments": {"key": "a"}}
+    </tool_call>
+
+The renderer writes exactly the form Qwen2.5/Qwen3 templates write (one call per block, the JSON on
+one line with ``json.dumps``'s default separators, a newline between content and blocks), and the
+parser accepts that form and any whitespace variant of it. The parser is strict about the JSON:
+a reply that does not say exactly ``{"name": <string>, "arguments": <object>}`` is a parse failure,
+because a lenient parser would reward malformed calls the next tool-calling stack will reject.
+
+Nothing here knows about tokens; the codecs in this package add the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from cookbook_lib.types import Message, ToolCall, ToolSpec
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+# The wording follows Qwen2.5's template, which many open models were trained on, plus one line
+# saying where results come back (our ChatML rendering puts them in ``tool`` turns).
+_TOOLS_INTRO = (
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>"
+)
+_TOOLS_OUTRO = (
+    "\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>\n\n"
+    "The result of each call comes back in a turn with the role tool, in the order of the calls."
+)
+
+
+class ToolCallFormatError(ValueError):
+    """A reply whose tool calls do not follow the format; the message says what is wrong."""
+
+
+def tools_system_prompt(tool_specs: Sequence[ToolSpec]) -> str:
+    """The block describing ``tool_specs`` that goes at the end of the system message."""
+    lines = "".join("\n" + json.dumps(spec, ensure_ascii=False) for spec in tool_specs)
+    return _TOOLS_INTRO + lines + _TOOLS_OUTRO
+
+
+def arguments_object(call: ToolCall) -> dict[str, Any]:
+    """The arguments of ``call`` as a dict. Messages carry them JSON-encoded; rendering needs them
+    decoded so that every call in a prompt is written the same canonical way."""
+    name = call["function"]["name"]
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tool call {name!r}: arguments are not valid JSON ({exc.msg})") from exc
+    if not isinstance(arguments, dict):
+        raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {_json_type(arguments)}")
+    return arguments
+
+
+def format_tool_call(call: ToolCall) -> str:
+    """One ``<tool_call>`` block, as the parser reads it and as demonstrations are trained on."""
+    payload = {"name": call["function"]["name"], "arguments": arguments_object(call)}
+    return f"{TOOL_CALL_OPEN}\n{json.dumps(payload, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+
+
+def format_assistant_body(message: Message) -> str:
+    """The text of an assistant turn: its content, then one block per tool call, one per line."""
+    parts = [message.get("content") or ""]
+    parts += [format_tool_call(call) for call in message.get("tool_calls", [])]
+    return "\n".join(part for part in parts if part)
+
+
+def split_reply(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    """Split a sampled reply into its content and its tool calls ``(name, arguments)``.
+
+    The content is the text outside the ``<tool_call>`` blocks, each piece stripped, joined by
+    newlines. Raises :class:`ToolCallFormatError` for an unclosed or nested block, a stray
+    closing tag, or a block whose JSON is not exactly ``{"name": ..., "arguments": {...}}``.
+    """
+    pieces: list[str] = []
+    calls: list[tuple[str, dict[str, Any]]] = []
+    position = 0
+    while True:
+        open_at = text.find(TOOL_CALL_OPEN, position)
+        close_at = text.find(TOOL_CALL_CLOSE, position)
+        if close_at != -1 and (open_at == -1 or close_at < open_at):
+            raise ToolCallFormatError(
+                f"stray {TOOL_CALL_CLOSE} at character {close_at} with no {TOOL_CALL_OPEN} before it"
+            )
+        if open_at == -1:
+            pieces.append(text[position:])
+            break
+        pieces.append(text[position:open_at])
+        body_start = open_at + len(TOOL_CALL_OPEN)
+        close_at = text.find(TOOL_CALL_CLOSE, body_start)
+        if close_at == -1:
+            raise ToolCallFormatError(
+                f"unclosed {TOOL_CALL_OPEN} at character {open_at}: no {TOOL_CALL_CLOSE} follows it"
+            )
+        body = text[body_start:close_at]
+        if TOOL_CALL_OPEN in body:
+            raise ToolCallFormatError(
+                f"{TOOL_CALL_OPEN} at character {open_at} is not closed before the next {TOOL_CALL_OPEN}"
+            )
+        calls.append(_decode_call(body, number=len(calls) + 1))
+        position = close_at + len(TOOL_CALL_CLOSE)
+    content = "\n".join(piece.strip() for piece in pieces if piece.strip())
+    return content, calls
+
+
+def _decode_call(body: str, number: int) -> tuple[str, dict[str, Any]]:
+    where = f"tool call {number}"
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError as exc:
+        snippet = body.strip()[:200]
+        raise ToolCallFormatError(
+            f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): {snippet!r}"
+        ) from exc
+    if not isinstance(payload, dict):
+        raise ToolCallFormatError(
+            f'{where} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_type(payload)}'
+        )
+    unexpected = sorted(set(payload) - {"name", "arguments"})
+    if unexpected:
+        raise ToolCallFormatError(
+            f'{where} has unexpected keys {unexpected}; expected exactly "name" and "arguments"'
+        )
+    if "name" not in payload:
+        raise ToolCallFormatError(f'{where} has no "name"')
+    name = payload["name"]
+    if not isinstance(name, str) or not name.strip():
+        got = "a blank string" if isinstance(name, str) else _json_type(name)
+        raise ToolCallFormatError(f'{where}: "name" must be a non-empty string, got {got}')
+    if "arguments" not in payload:
+        raise ToolCallFormatError(f'{where} ({name}) has no "arguments" (use {{}} for none)')
+    arguments = payload["arguments"]
+    if not isinstance(arguments, dict):
+        raise ToolCallFormatError(
+            f'{where} ({name}): "arguments" must be a JSON object, got {_json_type(arguments)}'
+        )
+    return name, arguments
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "a JSON boolean"
+    if isinstance(value, str):
+        return "a JSON string"
+    names = {dict: "a JSON object", list: "a JSON array", int: "a JSON number", float: "a JSON number"}
+    return "JSON null" if value is None else names.get(type(value), type(value).__name__)
