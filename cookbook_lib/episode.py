@@ -13,7 +13,7 @@ from cookbook_lib.envs.base import Task
 from cookbook_lib.types import Message
 
 
-class EndCause(str, enum.Enum):
+class EndCause(enum.StrEnum):
     """How an episode ended: terminated by task logic, or truncated with one of four causes.
 
     ``ERROR`` is not a truncation: an exception escaped the environment (or its factory) and the

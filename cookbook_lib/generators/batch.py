@@ -1,0 +1,215 @@
+"""The running batch of the transformers backend: prefill, decode steps, admitting and retiring rows.
+
+This module is plain torch with no threads or asyncio: ``HFGenerator`` drives it from its worker
+thread. Every row is left-padded: its real tokens end at the last column, the 2D attention mask
+hides the padding, and each row's position ids count only its real tokens, so a row computes
+what it would compute alone (up to float rounding of differently shaped matmuls).
+
+Shape suffixes: ``_B`` one entry per row, ``_L`` one per column of the padded sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from cookbook_lib.generators import kv_cache
+from cookbook_lib.generators.base import FinishReason, SampleResult, SamplingParams
+from cookbook_lib.generators.sampling import RowSampling, choose_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    """One ``sample`` call: what to sample, its random stream, and where its result goes."""
+
+    prompt_tokens: list[int]
+    params: SamplingParams
+    rng: torch.Generator
+    future: asyncio.Future[SampleResult]
+    loop: asyncio.AbstractEventLoop
+    cancelled: bool = False  # set by the caller's task when it is cancelled; the worker drops the row
+
+
+@dataclass(eq=False)
+class Row:
+    """A request being decoded, with what it has sampled so far."""
+
+    request: Request
+    # The position id of the newest token: the last prompt token at first; each sampled token
+    # takes the next one, and is fed to the model at that position in the following step.
+    position: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.policy_versions.append(version)
+        self.position += 1
+        params = self.request.params
+        if token in params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= params.max_tokens:
+            self.finish_reason = "length"
+
+    def result(self) -> SampleResult:
+        assert self.finish_reason is not None
+        return SampleResult(
+            list(self.tokens), list(self.logprobs), self.finish_reason, list(self.policy_versions)
+        )
+
+
+class DecodeBatch:
+    """Rows decoding together, sharing one KV cache; one model forward per ``step``."""
+
+    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, device: torch.device) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = device
+        self.rows: list[Row] = []
+        self._cache: DynamicCache | None = None
+        self._mask_BL = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self._last_tokens_B = torch.zeros(0, dtype=torch.long, device=device)
+        # Computing logits for the last prompt position only saves a [prompt, vocab] matmul per row.
+        self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def can_admit_now(self) -> bool:
+        """Whether new rows can join now: always when empty, else if the cache can be merged."""
+        return self._cache is None or kv_cache.supports_merging(self._cache)
+
+    @property
+    def columns(self) -> int:
+        return self._mask_BL.shape[1]
+
+    def admit(self, requests: list[Request], version: int) -> list[Row]:
+        """Prefill ``requests`` in one forward, sample their first token, merge them into the batch.
+
+        Returns the rows that finished on their first token (they never join the batch).
+        """
+        lengths = [len(request.prompt_tokens) for request in requests]
+        width = max(lengths)
+        ids_BL = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        mask_BL = torch.zeros(len(requests), width, dtype=torch.long)
+        for i, request in enumerate(requests):
+            ids_BL[i, width - lengths[i] :] = torch.tensor(request.prompt_tokens)
+            mask_BL[i, width - lengths[i] :] = 1
+        ids_BL, mask_BL = ids_BL.to(self.device), mask_BL.to(self.device)
+        positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+        cache = kv_cache.new_cache(self.model)
+        extra = {"logits_to_keep": 1} if self._keep_last else {}
+        output = self.model(
+            input_ids=ids_BL,
+            attention_mask=mask_BL,
+            position_ids=positions_BL,
+            cache=cache,
+            use_cache=True,
+            **extra,
+        )
+        rows = [Row(request, position=length - 1) for request, length in zip(requests, lengths, strict=True)]
+        tokens_B = self._sample(rows, output.logits[:, -1], version)
+
+        live = [i for i, row in enumerate(rows) if row.finish_reason is None]
+        if live:
+            index = torch.tensor(live, device=self.device)
+            if len(live) < len(rows):
+                kv_cache.select_rows(cache, index)
+            self._join(cache, mask_BL[index], tokens_B[index], [rows[i] for i in live])
+        return [row for row in rows if row.finish_reason is not None]
+
+    def step(self, version: int) -> list[Row]:
+        """One decode step for every row; returns the rows that finished (removed from the batch)."""
+        assert self._cache is not None and self.rows, "step() on an empty batch"
+        ones_B1 = torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)
+        mask_BL = torch.cat([self._mask_BL, ones_B1], dim=1)
+        positions_B1 = torch.tensor([[row.position] for row in self.rows], device=self.device)
+        output = self.model(
+            input_ids=self._last_tokens_B[:, None],
+            attention_mask=mask_BL,
+            position_ids=positions_B1,
+            cache=self._cache,
+            use_cache=True,
+        )
+        self._mask_BL = mask_BL
+        self._last_tokens_B = self._sample(self.rows, output.logits[:, -1], version)
+        return self.remove([i for i, row in enumerate(self.rows) if row.finish_reason is not None])
+
+    def remove(self, indices: list[int]) -> list[Row]:
+        """Take rows out of the batch (finished or cancelled), shrinking the cache to the rest."""
+        if not indices:
+            return []
+        gone = set(indices)
+        removed = [row for i, row in enumerate(self.rows) if i in gone]
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        if not keep:
+            self.clear()
+            return removed
+        assert self._cache is not None
+        index = torch.tensor(keep, device=self.device)
+        kv_cache.select_rows(self._cache, index)
+        self.rows = [self.rows[i] for i in keep]
+        self._mask_BL = self._mask_BL[index]
+        self._last_tokens_B = self._last_tokens_B[index]
+        self._trim_padding()
+        return removed
+
+    def clear(self) -> list[Row]:
+        """Drop every row and the cache (after an error, or on shutdown); returns the dropped rows."""
+        removed, self.rows, self._cache = self.rows, [], None
+        self._mask_BL = self._mask_BL[:0, :0]
+        self._last_tokens_B = self._last_tokens_B[:0]
+        return removed
+
+    def _sample(self, rows: list[Row], logits_BV: torch.Tensor, version: int) -> torch.Tensor:
+        params = [row.request.params for row in rows]
+        # One uniform per sampling row from its own stream; greedy rows draw none, so a seeded
+        # stream advances the same way whatever shares the batch.
+        uniforms = [
+            0.0 if p.greedy else torch.rand((), generator=row.request.rng, dtype=torch.float64).item()
+            for p, row in zip(params, rows, strict=True)
+        ]
+        settings = RowSampling(
+            temperatures_B=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_ps_B=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            uniforms_B=torch.tensor(uniforms, dtype=torch.float64),
+        )
+        tokens_B, logprobs_B = choose_tokens(logits_BV, settings)
+        for row, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+            row.append(token, logprob, version)
+        return tokens_B
+
+    def _join(
+        self, cache: DynamicCache, mask_BL: torch.Tensor, last_B: torch.Tensor, rows: list[Row]
+    ) -> None:
+        if self._cache is None:
+            self._cache, self._mask_BL, self._last_tokens_B, self.rows = cache, mask_BL, last_B, rows
+            return
+        kv_cache.merge(self._cache, cache)
+        width = max(self.columns, mask_BL.shape[1])
+        self._mask_BL = torch.cat([_left_pad(self._mask_BL, width), _left_pad(mask_BL, width)])
+        self._last_tokens_B = torch.cat([self._last_tokens_B, last_B])
+        self.rows = self.rows + rows
+
+    def _trim_padding(self) -> None:
+        assert self._cache is not None
+        if not kv_cache.supports_merging(self._cache):
+            return
+        used_L = self._mask_BL.any(dim=0)
+        leading = int(used_L.long().argmax()) if bool(used_L.any()) else 0
+        if leading > 0:
+            kv_cache.drop_leading_columns(self._cache, leading)
+            self._mask_BL = self._mask_BL[:, leading:]
+
+
+def _left_pad(mask_BL: torch.Tensor, width: int) -> torch.Tensor:
+    pad = mask_BL.new_zeros(mask_BL.shape[0], width - mask_BL.shape[1])
+    return torch.cat([pad, mask_BL], dim=1)

@@ -1,0 +1,293 @@
+"""``HFGenerator``: a transformers model behind the ``Generator`` interface, batching across callers.
+
+Callers (one asyncio task per episode) await ``sample``; their requests go into a queue. One
+worker thread owns the model and loops: apply pending weight updates, admit waiting requests
+(prefill them together, left-padded, and merge them into the running batch: continuous
+batching), then run one batched decode step over every live row with the KV cache. Rows leave
+the batch as soon as they finish, so no compute is spent on them. torch releases the GIL while
+it computes, so the event loop keeps stepping environments meanwhile.
+
+Why our own scheduler and not transformers' ``generate_batch``: measured on 2 CPU cores
+(``bench/bench_generator.py``), it was slower than even one plain padded ``generate``, and it
+cannot take new requests from concurrent asyncio callers or swap weights mid-flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from cookbook_lib.generators.base import (
+    Generator,
+    GeneratorClosedError,
+    SampleResult,
+    SamplingParams,
+    validate_prompt,
+)
+from cookbook_lib.generators.batch import DecodeBatch, Request, Row
+from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _WeightUpdate:
+    state_dict: Mapping[str, torch.Tensor]
+    version: int
+    future: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+class HFGenerator(Generator):
+    """Batched sampling from a transformers causal LM, on CPU or CUDA (the model's device).
+
+    Args:
+        model: the causal LM; it is not copied, so training it in place changes what is sampled.
+        pad_token_id: the id put in padding positions (masked out; any valid id works).
+        max_batch_size: the most rows decoded together; further requests wait in the queue.
+        device: move the model there; by default it stays where it is.
+        continuous_batching: admit new requests into a running batch (default). When False, or
+            when the model's cache cannot be merged (sliding-window layers), requests that arrive
+            mid-batch start as the next batch once the running one ends.
+        step_callback: called on the worker thread after every forward with a ``StepInfo``;
+            it must be quick. Errors in it are logged, never raised.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        pad_token_id: int,
+        max_batch_size: int = 64,
+        device: str | torch.device | None = None,
+        continuous_batching: bool = True,
+        step_callback: Callable[[StepInfo], None] | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if device is not None:
+            model = model.to(device)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.continuous_batching = continuous_batching
+        self.stats = GeneratorStats()
+        output_embeddings = model.get_output_embeddings()
+        self._vocab_size: int | None = (
+            output_embeddings.weight.shape[0] if output_embeddings is not None else model.config.vocab_size
+        )
+        self._step_callback = step_callback
+        self._batch = DecodeBatch(model, pad_token_id=pad_token_id, device=self.device)
+        self._version = 0
+        # Everything below is shared between the event loop and the worker, guarded by _wake.
+        self._wake = threading.Condition()
+        self._queue: deque[Request] = deque()
+        self._weight_updates: deque[_WeightUpdate] = deque()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def num_pending(self) -> int:
+        """Requests waiting for a place in the batch."""
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        """Requests being decoded now."""
+        return len(self._batch)
+
+    async def sample(self, prompt_tokens: list[int], params: SamplingParams) -> SampleResult:
+        validate_prompt(prompt_tokens, self._vocab_size)
+        loop = asyncio.get_running_loop()
+        # Unseeded requests draw their seed from torch's global generator, so torch.manual_seed
+        # before a run makes it repeatable (given the same arrival order).
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        request = Request(
+            list(prompt_tokens), params, torch.Generator().manual_seed(seed), loop.create_future(), loop
+        )
+        self._submit(self._queue, request)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.cancelled = True
+            with self._wake:
+                if request in self._queue:
+                    self._queue.remove(request)
+            raise
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._check_weights(state_dict)
+        loop = asyncio.get_running_loop()
+        update = _WeightUpdate(state_dict, version, loop.create_future(), loop)
+        self._submit(self._weight_updates, update)
+        await update.future
+
+    async def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            waiting = [*self._queue, *self._weight_updates]
+            self._queue.clear()
+            self._weight_updates.clear()
+            self._wake.notify_all()
+        for item in waiting:
+            _deliver(item.future, item.loop, GeneratorClosedError("the generator was closed"))
+        if self._thread is not None:
+            # The worker finishes its current forward, fails its rows, and exits.
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def _submit(self, queue: deque, item: Request | _WeightUpdate) -> None:
+        with self._wake:
+            if self._closed:
+                raise GeneratorClosedError("the generator is closed")
+            queue.append(item)
+            if self._thread is None:
+                # Started lazily: a generator that is built and never used holds no thread.
+                self._thread = threading.Thread(target=self._work, name="HFGenerator", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Reject a bad state dict in the caller, before the worker touches the model."""
+        own = self.model.state_dict()
+        unknown = sorted(set(state_dict) - set(own))
+        if unknown:
+            raise ValueError(f"update_weights got names the model does not have: {unknown[:5]}")
+        for name, tensor in state_dict.items():
+            if tensor.shape != own[name].shape:
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, model has {own[name].shape}"
+                )
+
+    # ---- the worker thread -------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not (self._closed or self._queue or self._weight_updates or self._batch.rows):
+                        self._wake.wait()
+                    if self._closed:
+                        return
+                    updates = list(self._weight_updates)
+                    self._weight_updates.clear()
+                    admitted = self._take_admissible()
+                # Weights change only here, between two forwards: tokens sampled before this
+                # point carry the old version, tokens after it the new one.
+                for update in updates:
+                    self._apply_weights(update)
+                self._retire(
+                    self._batch.remove([i for i, r in enumerate(self._batch.rows) if r.request.cancelled])
+                )
+                if admitted:
+                    self._prefill(admitted)
+                if self._batch.rows:
+                    self._decode()
+        except BaseException as exc:  # a bug, not a model error: fail everything rather than hang callers
+            logger.exception("HFGenerator worker crashed")
+            with self._wake:
+                self._closed = True
+                waiting = [*self._queue, *self._weight_updates]
+                self._queue.clear()
+                self._weight_updates.clear()
+            for item in waiting:
+                _deliver(
+                    item.future, item.loop, GeneratorClosedError(f"the generator worker crashed: {exc!r}")
+                )
+        finally:
+            for row in self._batch.clear():
+                _deliver(
+                    row.request.future, row.request.loop, GeneratorClosedError("the generator was closed")
+                )
+
+    def _take_admissible(self) -> list[Request]:
+        """Pop the requests that can join the batch now (called with the lock held)."""
+        if not self._queue or not (
+            len(self._batch) == 0 or (self.continuous_batching and self._batch.can_admit_now)
+        ):
+            return []
+        room = self.max_batch_size - len(self._batch)
+        taken: list[Request] = []
+        while self._queue and len(taken) < room:
+            request = self._queue.popleft()
+            if not request.cancelled:
+                taken.append(request)
+        return taken
+
+    def _apply_weights(self, update: _WeightUpdate) -> None:
+        try:
+            own = self.model.state_dict()  # tensors sharing storage with the parameters
+            with torch.no_grad():
+                for name, tensor in update.state_dict.items():
+                    own[name].copy_(tensor)
+            self._version = update.version
+            _deliver(update.future, update.loop, None)
+        except Exception as exc:
+            _deliver(update.future, update.loop, exc)
+
+    def _prefill(self, requests: list[Request]) -> None:
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                finished = self._batch.admit(requests, self._version)
+        except Exception as exc:  # e.g. out of memory: these requests fail, the running batch goes on
+            for request in requests:
+                _deliver(request.future, request.loop, exc)
+            return
+        self._record("prefill", len(requests), start)
+        self._retire(finished)
+
+    def _decode(self) -> None:
+        start, rows = time.perf_counter(), len(self._batch)
+        try:
+            with torch.inference_mode():
+                finished = self._batch.step(self._version)
+        except Exception as exc:  # the cache may be half-updated: fail the whole batch
+            for row in self._batch.clear():
+                _deliver(row.request.future, row.request.loop, exc)
+            return
+        self._record("decode", rows, start)
+        self._retire(finished)
+
+    def _record(self, kind: StepKind, rows: int, start: float) -> None:
+        step = StepInfo(kind, rows, start, time.perf_counter(), self._version)
+        self.stats.record(step)
+        if self._step_callback is not None:
+            try:
+                self._step_callback(step)
+            except Exception:
+                logger.exception("HFGenerator step_callback raised; ignored")
+
+    def _retire(self, rows: list[Row]) -> None:
+        for row in rows:
+            if not row.request.cancelled:
+                _deliver(row.request.future, row.request.loop, row.result())
+
+
+def _deliver(future: asyncio.Future, loop: asyncio.AbstractEventLoop, outcome: object) -> None:
+    """Resolve ``future`` from the worker thread, on its own event loop (if that loop still runs)."""
+
+    def resolve() -> None:
+        if future.done():  # cancelled by its caller meanwhile
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    # A closed loop raises RuntimeError: nobody is waiting any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(resolve)

@@ -1,0 +1,69 @@
+"""Row and column surgery on a transformers ``DynamicCache``, for continuous batching.
+
+Every layer of the cache holds keys and values shaped ``[rows, kv_heads, columns, head_dim]``, all
+rows left-padded to the same number of columns; the 2D attention mask (kept by the batch) says
+which columns of a row are real. Padding columns are zeros that the mask hides, so adding or
+removing them never changes what a row attends to.
+
+Only plain full-attention layers (``DynamicLayer``) can be padded, merged and trimmed this way;
+sliding-window and linear-attention layers keep extra state. ``supports_merging`` tells which
+caches qualify; the others still batch, but new requests wait for the running batch to end.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def supports_merging(cache: DynamicCache) -> bool:
+    return all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only ``rows`` (indices into the batch dimension), in that order."""
+    cache.batch_select_indices(rows)
+
+
+def _left_pad(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    if columns == 0:
+        return tensor
+    shape = (*tensor.shape[:2], columns, tensor.shape[3])
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=2)
+
+
+def merge(first: DynamicCache, second: DynamicCache) -> None:
+    """Append the rows of ``second`` after those of ``first`` (in place), right-aligning columns.
+
+    The shorter of the two is left-padded with zero columns; the caller pads its masks the same.
+    """
+    for mine, theirs in zip(first.layers, second.layers, strict=True):
+        width = max(mine.keys.shape[2], theirs.keys.shape[2])
+        mine.keys = torch.cat(
+            [
+                _left_pad(mine.keys, width - mine.keys.shape[2]),
+                _left_pad(theirs.keys, width - theirs.keys.shape[2]),
+            ]
+        )
+        mine.values = torch.cat(
+            [
+                _left_pad(mine.values, width - mine.values.shape[2]),
+                _left_pad(theirs.values, width - theirs.values.shape[2]),
+            ]
+        )
+
+
+def drop_leading_columns(cache: DynamicCache, columns: int) -> None:
+    """Remove the first ``columns`` columns of every row: they must be padding in all rows.
+
+    After the longest rows finish, the others are left with columns no row attends to; dropping
+    them keeps each decode step's attention as short as the longest live row.
+    """
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, columns:]
+        layer.values = layer.values[:, :, columns:]
