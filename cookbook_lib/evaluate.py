@@ -184,6 +184,11 @@ async def evaluate_async(
     written to ``runs/<run_name>/episodes.jsonl``.
     """
     sampling = sampling or SamplingParams()
+    if sampling.seed is not None and episodes_per_task > 1:
+        raise ValueError(
+            "sampling.seed would make every episode of a task sample the same replies; leave it None "
+            "and call torch.manual_seed(...) first for a reproducible evaluation"
+        )
     if max_model_length < 2:
         raise ValueError(f"max_model_length must leave room for a prompt and a reply, got {max_model_length}")
     owned_generator = generator is None

@@ -250,3 +250,18 @@ def test_evaluate_refuses_a_loaded_model_without_its_tokenizer(tiny_model_and_to
     model, _ = tiny_model_and_tokenizer
     with pytest.raises(ValueError, match="tokenizer"):
         asyncio.run(evaluate_async(model, [TASK], lambda task: ToolUseGameEnv(), runs_dir=tmp_path))
+
+
+def test_evaluate_refuses_a_fixed_seed_for_a_group(tiny_model_and_tokenizer, tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer
+    with pytest.raises(ValueError, match=r"torch\.manual_seed"):
+        asyncio.run(
+            evaluate_async(
+                model,
+                [TASK],
+                lambda task: ToolUseGameEnv(),
+                tokenizer=tokenizer,
+                sampling=SamplingParams(seed=1),
+                runs_dir=tmp_path,
+            )
+        )
