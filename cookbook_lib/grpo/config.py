@@ -1,0 +1,395 @@
+"""GRPOConfig: every setting of a GRPO run, checked before anything expensive happens.
+
+The field names are the seed page's (``batch_size``, ``episodes_per_task``, ``max_steps_off_policy``
+...), so a config written for the hosted cookbook reads the same here. Defaults are sized for the
+embedded 135M model on a CPU where the page gives none.
+
+``validate()`` looks only at the config and the environment variables, never at a model, so a
+contradiction (or a missing W&B setup) fails in a second instead of after a model has loaded. It
+collects every problem and reports them together, each with its fix.
+
+W&B, a deliberate difference from the hosted page: there ``GRPOConfig`` logs to W&B by default;
+here ``wandb_project`` defaults to ``None`` (no W&B, ``metrics.jsonl`` only), because a first run
+of a CPU cookbook should not need an account or a network. Setting ``wandb_project``, as the seed's
+example does, turns W&B on, and then the run refuses to start without a W&B setup, as on the page.
+
+This module imports no torch or transformers: loading or checking a config stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import enum
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal, get_args
+from urllib.parse import urlparse
+
+import yaml
+
+# Kept equal to cookbook_lib.models.DEFAULT_MODEL (a test pins it); not imported from there
+# because that module imports torch and transformers.
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# A chat prompt (system prompt, tool specs, one user turn) cannot fit in fewer tokens than this.
+MIN_PROMPT_TOKENS = 64
+
+LossAggregation = Literal["token_mean", "sequence_mean", "fixed_horizon"]
+ImportanceRatioLevel = Literal["token", "sequence"]
+LossType = Literal["ppo_clip", "cispo"]
+OnEnvError = Literal["end_episode", "raise"]
+
+
+class WeightSyncType(enum.StrEnum):
+    """How new weights reach the generators after an optimizer step (values are the seed's names)."""
+
+    WEIGHT_SYNC_TYPE_SYNCHRONOUS = "WEIGHT_SYNC_TYPE_SYNCHRONOUS"
+    WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH = "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"
+    WEIGHT_SYNC_TYPE_PIPELINE = "WEIGHT_SYNC_TYPE_PIPELINE"
+
+
+DEFERRED_WEIGHT_SYNC = (
+    WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH,
+    WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE,
+)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; ``problems`` lists each problem with its fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"GRPOConfig has {len(self.problems)} problem(s):\n{lines}")
+
+
+def _default_run_name() -> str:
+    # The random suffix keeps two runs started in the same second (tests, sweeps) apart, which
+    # matters because resume="auto" would otherwise continue the other run.
+    return f"grpo-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Settings of one GRPO run; each field's docstring says what it does and why.
+
+    Frozen, so a config handed to rollout workers cannot change under them: derive a variant with
+    ``dataclasses.replace(config, num_steps=5)``. Constructing one checks nothing; ``validate()`` does.
+    """
+
+    # --- the seed page's fields -----------------------------------------------------------
+    model: str = DEFAULT_MODEL
+    """Model name or local path; the default is the embedded SmolLM2-135M-Instruct (no hub)."""
+    batch_size: int = 4
+    """Tasks per optimizer step; each contributes one group of ``episodes_per_task`` episodes."""
+    episodes_per_task: int = 8
+    """Group size: episodes per task, the baseline of the group-relative advantage (at least 2)."""
+    num_steps: int = 20
+    """Optimizer steps in the run (the seed's 200 is hours on a CPU)."""
+    validation_interval: int = 5
+    """Validate on ``val_tasks`` every this many steps, and at the end; 0 = only at the end."""
+    val_episodes_per_task: int = 1
+    """Episodes per validation task (more = a less noisy validation reward, slower)."""
+    max_turns: int = 6
+    """Assistant turns before an episode is truncated with ``MAX_TURNS``."""
+    max_model_length: int = 2048
+    """Token limit of a whole conversation; filling it truncates with ``CONTEXT_OVERFLOW``."""
+    learning_rate: float = 2e-5
+    """AdamW learning rate."""
+    wandb_project: str | None = None
+    """W&B project to log to; ``None`` = no W&B (the hosted page defaults to logging; see module doc)."""
+    sequential_validation: bool = False
+    """Run validation on its own (async collection paused) instead of overlapped with training."""
+    max_sampling_attempts: int = 1
+    """Rounds of groups a step may sample to replace zero-variance groups (1 = no resampling)."""
+    overlong_masking: bool = False
+    """Build no samples from truncated episodes; their rewards still count in the group baseline."""
+    failed_parse_reward: float = 0.0
+    """Reward of an episode ended by a reply that could not be parsed (``PARSE_FAILURE``)."""
+    use_lora: bool = False
+    """Train LoRA adapters instead of full weights (on a CPU LoRA measured no faster, so off)."""
+    # --- async (max_steps_off_policy=None keeps lockstep) -----------------------------------
+    max_steps_off_policy: int | None = None
+    """Oldest admissible group, in optimizer steps since its rollout started; None = lockstep."""
+    groups_in_flight: int | None = None
+    """Groups collected concurrently; None = ``batch_size`` (see ``effective_groups_in_flight``)."""
+    weight_sync_type: WeightSyncType | str = WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
+    """How weights reach the generators; the two deferred modes need ``max_steps_off_policy``."""
+    num_generator_replicas: int = 1
+    """Generator copies serving rollouts; each receives every weight update."""
+    # --- run directory, checkpoints ----------------------------------------------------------
+    run_name: str = field(default_factory=_default_run_name)
+    """Name of the run's directory ``runs_dir/run_name``; default: a timestamp and a random suffix."""
+    runs_dir: str | Path = "runs"
+    """Parent directory of all runs (stored as a string so the YAML stays plain)."""
+    checkpoint_interval: int = 10
+    """Save a checkpoint every this many steps, and at the end; 0 = only at the end."""
+    resume: bool | Literal["auto"] = "auto"
+    """True: continue from the run's last checkpoint (fail if none); False: start afresh;
+    "auto": resume when ``run_dir`` holds a checkpoint (a rerun of a killed run continues)."""
+    seed: int = 0
+    """Seeds task order, sampling and initialisation, so a run can be repeated."""
+    on_env_error: OnEnvError = "end_episode"
+    """An exception in the env ends that episode (``ERROR``, kept for inspection) or stops the run."""
+    # --- sampling ----------------------------------------------------------------------------
+    max_tokens_per_turn: int = 128
+    """Sampling budget of one assistant turn (a tool call or an answer needs far fewer)."""
+    temperature: float = 1.0
+    """Sampling temperature; must be > 0: greedy groups are identical and carry no signal."""
+    top_p: float = 1.0
+    """Nucleus sampling; 1 = the full distribution, which the importance ratio assumes."""
+    # --- LoRA (when use_lora) ----------------------------------------------------------------
+    lora_rank: int = 16
+    """Rank of the LoRA adapters."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_rank``)."""
+    # --- loss ---------------------------------------------------------------------------------
+    loss_type: LossType = "ppo_clip"
+    """``ppo_clip``: clipped surrogate; ``cispo``: clipped importance weight, stop-gradient (CISPO)."""
+    importance_ratio_level: ImportanceRatioLevel = "token"
+    """Ratio per token, or one per sequence, the geometric mean of the token ratios (GSPO)."""
+    loss_aggregation: LossAggregation = "token_mean"
+    """Mean over all tokens, mean of per-episode means, or sum / fixed horizon (Dr. GRPO, no length bias)."""
+    clip_ratio_low: float = 0.2
+    """Ratio clipped below at 1 - clip_ratio_low. (GSPO's paper uses ~3e-4 with sequence ratios.)"""
+    clip_ratio_high: float = 0.28
+    """Ratio clipped above at 1 + clip_ratio_high; higher than low, as in DAPO ("clip-higher")."""
+    kl_coef: float = 0.0
+    """KL penalty to the starting model; 0 = none, and the reference model is then never loaded."""
+    normalize_advantages_by_std: bool = True
+    """Divide advantages by the group's reward std (GRPO); False as in Dr. GRPO."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient to this global norm; None = no clipping."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    micro_batch_tokens: int = 2048
+    """Token budget of one packed micro-batch; at least ``max_model_length`` so any episode fits."""
+    # --- soft overlong penalty (DAPO) --------------------------------------------------------
+    overlong_buffer_tokens: int = 256
+    """Length of the linear ramp before the limit: the penalty grows from 0 to the factor over it."""
+    overlong_penalty_factor: float = 1.0
+    """Reward lost at the limit by CONTEXT_OVERFLOW and MAX_TURNS episodes (the seed's table); 0 = off."""
+
+    def __post_init__(self) -> None:
+        # Normalise what YAML and notebooks hand us: the sync mode's name as a string, a Path.
+        # A string naming no sync mode is kept, for validate() to report with the valid names.
+        if isinstance(self.weight_sync_type, str) and self.weight_sync_type in WeightSyncType.__members__:
+            object.__setattr__(self, "weight_sync_type", WeightSyncType(self.weight_sync_type))
+        if isinstance(self.runs_dir, Path):
+            object.__setattr__(self, "runs_dir", str(self.runs_dir))
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes its config, metrics, episodes and checkpoints."""
+        return Path(self.runs_dir) / self.run_name
+
+    @property
+    def effective_groups_in_flight(self) -> int:
+        return self.batch_size if self.groups_in_flight is None else self.groups_in_flight
+
+    @property
+    def is_async(self) -> bool:
+        return self.max_steps_off_policy is not None
+
+    # --- YAML -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (enums as their names), in field order."""
+        data = asdict(self)
+        data["weight_sync_type"] = str(self.weight_sync_type)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GRPOConfig:
+        """Build from plain data; an unknown key raises ConfigError naming it and the closest key."""
+        known = [f.name for f in fields(cls)]
+        unknown = [key for key in data if key not in known]
+        if unknown:
+            raise ConfigError([_unknown_key(str(key), known) for key in unknown])
+        values = dict(data)
+        for name, annotation in _NUMBERS.items():
+            # PyYAML reads "2e-5" (no dot) as a string; accept it as a float. A string that is no
+            # number is kept, for validate() to report with the field's name.
+            if annotation.startswith("float") and isinstance(values.get(name), str):
+                with contextlib.suppress(ValueError):
+                    values[name] = float(values[name])
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> GRPOConfig:
+        """Load a config written by ``to_yaml`` or by hand; missing keys take their defaults."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                [f"{path} must hold a mapping of field names to values, got {type(data).__name__}"]
+            )
+        return cls.from_dict(data)
+
+    def to_yaml(self, path: str | Path) -> Path:
+        """Write every field (so the file documents the run completely); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return path
+
+    # --- checks -------------------------------------------------------------------------------
+    def validate(self, environ: Mapping[str, str] | None = None) -> None:
+        """Raise ConfigError listing every problem with its fix; ``environ`` defaults to os.environ.
+
+        Cheap and model-free: ``train_multi_turn`` calls it before anything is loaded.
+        """
+        problems = self.problems(environ)
+        if problems:
+            raise ConfigError(problems)
+
+    def problems(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        """Every reason this config cannot run, each with its fix; empty when it can."""
+        found = _type_problems(self)
+        if not found:  # the range checks compare numbers, so they need the right types first
+            found = _range_problems(self)
+        if self.wandb_project is not None and not _wandb_is_set_up(
+            os.environ if environ is None else environ
+        ):
+            found.append(
+                f"wandb_project={self.wandb_project!r} but W&B is not set up (no WANDB_API_KEY, WANDB_MODE "
+                "not offline, no `wandb login`): export WANDB_API_KEY, set WANDB_MODE=offline to log "
+                "locally, or pass wandb_project=None to turn W&B logging off"
+            )
+        return found
+
+
+# Derived from the annotations (strings, under `from __future__ import annotations`) so they
+# cannot drift from the fields.
+_NUMBERS = {f.name: f.type for f in fields(GRPOConfig) if f.type.split(" |")[0] in ("int", "float")}
+_BOOLS = tuple(f.name for f in fields(GRPOConfig) if f.type == "bool")
+_CHOICES: dict[str, tuple[object, ...]] = {
+    "loss_type": get_args(LossType),
+    "importance_ratio_level": get_args(ImportanceRatioLevel),
+    "loss_aggregation": get_args(LossAggregation),
+    "on_env_error": get_args(OnEnvError),
+    "weight_sync_type": tuple(WeightSyncType),
+    "resume": (True, False, "auto"),
+}
+# field -> (lowest value, whether the lowest value itself is excluded, what to know to fix it)
+_BOUNDS: dict[str, tuple[float, bool, str]] = {
+    "batch_size": (1, False, ""),
+    "episodes_per_task": (2, False, "GRPO needs a group to compare with; 8 is common"),
+    "num_steps": (1, False, ""),
+    "validation_interval": (0, False, "0 = validate only at the end"),
+    "val_episodes_per_task": (1, False, ""),
+    "max_turns": (1, False, ""),
+    "learning_rate": (0, True, ""),
+    "max_sampling_attempts": (1, False, "1 = no resampling of zero-variance groups"),
+    "max_steps_off_policy": (0, False, "None = lockstep; for async start with 1"),
+    "groups_in_flight": (1, False, "None = batch_size"),
+    "num_generator_replicas": (1, False, ""),
+    "checkpoint_interval": (0, False, "0 = checkpoint only at the end"),
+    "max_tokens_per_turn": (1, False, ""),
+    "temperature": (0, True, "greedy episodes of a group are identical, so every advantage is 0; use 1.0"),
+    "top_p": (0, True, ""),
+    "clip_ratio_low": (0, False, ""),
+    "clip_ratio_high": (0, False, ""),
+    "kl_coef": (0, False, "0 = no KL penalty"),
+    "max_grad_norm": (0, True, "None = no clipping"),
+    "weight_decay": (0, False, ""),
+    "overlong_buffer_tokens": (0, False, "0 = no overlong penalty"),
+    "overlong_penalty_factor": (0, False, "0 = no overlong penalty"),
+}
+
+
+def _type_problems(c: GRPOConfig) -> list[str]:
+    out = []
+    for name, annotation in _NUMBERS.items():
+        value = getattr(c, name)
+        if value is None and annotation.endswith("| None"):
+            continue
+        is_int = annotation.startswith("int")
+        ok = isinstance(value, int) if is_int else isinstance(value, int | float) and math.isfinite(value)
+        if isinstance(value, bool) or not ok:
+            out.append(f"{name} must be {'an integer' if is_int else 'a finite number'}, got {value!r}")
+    for name, choices in _CHOICES.items():
+        value = getattr(c, name)
+        if not any(value == x and type(value) is type(x) for x in choices):
+            out.append(f"{name}={value!r} is not one of {_names(choices)}")
+    for name in _BOOLS:
+        if not isinstance(getattr(c, name), bool):
+            out.append(f"{name} must be true or false, got {getattr(c, name)!r}")
+    for name in ("model", "run_name", "runs_dir"):
+        if not isinstance(getattr(c, name), str) or not getattr(c, name):
+            out.append(f"{name} must be a non-empty string, got {getattr(c, name)!r}")
+    if not (c.wandb_project is None or isinstance(c.wandb_project, str)):
+        out.append(f"wandb_project must be a string or None, got {c.wandb_project!r}")
+    return out
+
+
+def _range_problems(c: GRPOConfig) -> list[str]:
+    out = []
+    for name, (low, strict, note) in _BOUNDS.items():
+        value = getattr(c, name)
+        if value is not None and (value <= low if strict else value < low):
+            out.append(
+                f"{name} must be {'>' if strict else '>='} {low}, got {value}"
+                + (f" ({note})" if note else "")
+            )
+    if c.top_p > 1:
+        out.append(f"top_p must be at most 1 (1 = the full distribution), got {c.top_p}")
+    room = c.max_model_length - c.max_tokens_per_turn
+    if room < MIN_PROMPT_TOKENS:
+        out.append(
+            f"max_tokens_per_turn={c.max_tokens_per_turn} leaves {room} of max_model_length="
+            f"{c.max_model_length} tokens for the prompt (system prompt, tools, history); lower "
+            f"max_tokens_per_turn or raise max_model_length so that at least {MIN_PROMPT_TOKENS} remain"
+        )
+    if c.overlong_buffer_tokens >= c.max_model_length:
+        out.append(
+            f"overlong_buffer_tokens={c.overlong_buffer_tokens} must be below max_model_length="
+            f"{c.max_model_length}, or every episode is penalised; lower it, or set 0 to turn the penalty off"
+        )
+    if c.micro_batch_tokens < c.max_model_length:
+        out.append(
+            f"micro_batch_tokens={c.micro_batch_tokens} cannot hold an episode of max_model_length="
+            f"{c.max_model_length} tokens; set micro_batch_tokens >= max_model_length"
+        )
+    if c.use_lora and c.lora_rank < 1:
+        out.append(f"lora_rank must be >= 1 with use_lora=True, got {c.lora_rank}")
+    if c.use_lora and c.lora_alpha <= 0:
+        out.append(f"lora_alpha must be > 0 with use_lora=True, got {c.lora_alpha}")
+    if c.run_name in (".", "..") or set("/\\") & set(c.run_name):
+        out.append(f"run_name={c.run_name!r} must be a single directory name, without path separators")
+    if c.weight_sync_type in DEFERRED_WEIGHT_SYNC and c.max_steps_off_policy is None:
+        out.append(
+            f"{c.weight_sync_type} defers weight publication, which needs async training to bound the "
+            "drift: set max_steps_off_policy (start with 1), or use WEIGHT_SYNC_TYPE_SYNCHRONOUS"
+        )
+    if c.weight_sync_type == WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE and c.use_lora:
+        out.append(
+            "WEIGHT_SYNC_TYPE_PIPELINE needs full-weight training: set use_lora=False or use "
+            "WEIGHT_SYNC_TYPE_SYNCHRONOUS/BACKGROUND_PUBLISH"
+        )
+    return out
+
+
+def _names(choices: tuple[object, ...]) -> str:
+    return ", ".join(repr(str(x)) if isinstance(x, str) else repr(x) for x in choices)
+
+
+def _unknown_key(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r}{hint}; GRPOConfig's fields are: {', '.join(known)}"
+
+
+def _wandb_is_set_up(env: Mapping[str, str]) -> bool:
+    """An API key, an offline/disabled mode, or a `wandb login` entry in the netrc file."""
+    if env.get("WANDB_API_KEY") or env.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    netrc = env.get("NETRC") or (str(Path(env["HOME"]) / ".netrc") if env.get("HOME") else None)
+    host = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        return netrc is not None and host in Path(netrc).read_text()
+    except OSError:
+        return False

@@ -1,0 +1,354 @@
+"""``train_multi_turn`` and ``train_single_turn``: the entry points of a GRPO run.
+
+A run lives in ``runs/<run_name>/``: ``config.yaml``, ``metrics.jsonl`` (one line per step, step 0
+is the validation before training), ``episodes/step_*.jsonl``, ``checkpoints/``, the warm-started
+model when there was a warm-start, and ``training_curves.html``. Rerunning a killed run with the
+same ``run_name`` resumes from its last checkpoint (``resume="auto"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from cookbook_lib.asyncio_utils import run_sync
+from cookbook_lib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from cookbook_lib.codecs import Codec, make_codec
+from cookbook_lib.envs.base import Env, StepResult, Task
+from cookbook_lib.evaluate import evaluate_policy_async
+from cookbook_lib.generators import HFGenerator
+from cookbook_lib.grpo.config import ConfigError, GRPOConfig
+from cookbook_lib.grpo.lockstep import StepOutcome, lockstep_step, sampling_params
+from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.metrics import MetricsLogger, dump_episodes, episode_stats, read_metrics, truncate_metrics
+from cookbook_lib.model_policy import ModelPolicy
+from cookbook_lib.models import load_model, load_tokenizer
+from cookbook_lib.rollout import EnvFactory
+from cookbook_lib.sft import Demonstration, train_sft
+from cookbook_lib.types import Message, ToolSpec
+
+logger = logging.getLogger(__name__)
+
+WARM_START_DIR = "warm_start_model"
+
+
+@dataclass
+class WarmStart:
+    """A supervised warm-start on demonstrations before GRPO (skipped when a run resumes)."""
+
+    demonstrations: list[Demonstration]
+    steps: int = 8
+    batch_size: int = 8
+    learning_rate: float = 5e-5
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves: its folder, its metrics (one dict per step), the trained model."""
+
+    run_dir: Path
+    metrics: list[dict[str, Any]]
+    model: PreTrainedModel = field(repr=False)
+    tokenizer: PreTrainedTokenizerBase = field(repr=False)
+
+    def validation_rewards(self) -> list[tuple[int, float]]:
+        return [(m["step"], m["val/reward_mean"]) for m in self.metrics if "val/reward_mean" in m]
+
+
+StepCallback = Callable[[StepOutcome], None]
+
+
+def train_multi_turn(
+    config: GRPOConfig,
+    *,
+    tasks: Sequence[Task],
+    env_factory: EnvFactory,
+    val_tasks: Sequence[Task] | None = None,
+    warm_start: WarmStart | None = None,
+    on_step: StepCallback | None = None,
+) -> TrainResult:
+    """Train ``config.model`` with multi-turn GRPO on ``tasks``, one fresh env per episode.
+
+    Bad settings fail here, before any model is loaded. Works from scripts and notebooks alike.
+    """
+    run_dir = _check_before_loading(config, tasks, val_tasks)
+    return run_sync(_train(config, run_dir, list(tasks), env_factory, val_tasks, warm_start, on_step))
+
+
+def _check_before_loading(
+    config: GRPOConfig, tasks: Sequence[Task], val_tasks: Sequence[Task] | None
+) -> Path:
+    config.validate()
+    if config.is_async:
+        raise ConfigError(
+            [
+                "max_steps_off_policy is set, but async GRPO is not part of this release yet: "
+                "leave max_steps_off_policy=None for lockstep training"
+            ]
+        )
+    if not tasks:
+        raise ValueError("train_multi_turn needs at least one task in tasks=")
+    if val_tasks is not None and not val_tasks:
+        raise ValueError("val_tasks is empty: pass None to skip validation, or some tasks")
+    run_dir = config.run_dir
+    saved = run_dir / "config.yaml"
+    has_checkpoint = latest_checkpoint(run_dir) is not None
+    if config.resume is True and not has_checkpoint:
+        raise ValueError(f"resume=True but {run_dir} holds no checkpoint; use resume='auto' or False")
+    if config.resume is False and saved.exists():
+        raise ValueError(
+            f"{run_dir} already holds a run; choose another run_name, delete the folder, or resume='auto'"
+        )
+    if config.resume and has_checkpoint and saved.exists():
+        before = GRPOConfig.from_yaml(saved)
+        changed = [
+            f.name
+            for f in dataclasses.fields(GRPOConfig)
+            if f.name != "resume" and getattr(before, f.name) != getattr(config, f.name)
+        ]
+        if changed:
+            raise ValueError(
+                f"resuming {run_dir} with a different config ({', '.join(changed)}); restore those "
+                "settings, or start a new run_name"
+            )
+    return run_dir
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+async def _train(
+    config: GRPOConfig,
+    run_dir: Path,
+    tasks: list[Task],
+    env_factory: EnvFactory,
+    val_tasks: Sequence[Task] | None,
+    warm_start: WarmStart | None,
+    on_step: StepCallback | None,
+) -> TrainResult:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.to_yaml(run_dir / "config.yaml")
+    _seed_everything(config.seed)
+    checkpoint = latest_checkpoint(run_dir) if config.resume else None
+    tokenizer = load_tokenizer(config.model)
+    codec = make_codec(tokenizer)
+    warm_dir = run_dir / WARM_START_DIR
+    model = load_model(str(warm_dir) if warm_dir.is_dir() else config.model)
+    if checkpoint is None and warm_start is not None and not warm_dir.is_dir():
+        _run_warm_start(model, tokenizer, codec, warm_start, config, warm_dir)
+    # The generator samples with its own copy; the trainer's weights reach it only when published.
+    generator = HFGenerator(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id)
+    reference = copy.deepcopy(model).eval() if config.kl_coef > 0 and not config.use_lora else None
+    trainer = PolicyTrainer(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        micro_batch_tokens=config.micro_batch_tokens,
+        temperature=config.temperature,
+        use_lora=config.use_lora,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        reference_model=reference,
+    )
+    start_step = 0
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model=trainer.model, optimizer=trainer.optimizer)
+        start_step = state.step
+        truncate_metrics(run_dir, start_step)
+        await generator.update_weights(trainer.export_weights(), int(state.extra_state["policy_version"]))
+        print(f"resumed {run_dir} after step {start_step}")
+    log = MetricsLogger(
+        run_dir, wandb_project=config.wandb_project, run_name=config.run_name, config=config.to_dict()
+    )
+    try:
+        if start_step == 0:
+            metrics = await _validate(config, val_tasks, env_factory, generator, codec) if val_tasks else {}
+            log.log(0, metrics)
+            _save(run_dir, 0, trainer, generator.policy_version, config)
+            _print_step(0, config.num_steps, metrics)
+        for step in range(start_step + 1, config.num_steps + 1):
+            outcome = await lockstep_step(config, step, tasks, env_factory, trainer, generator, codec)
+            last = step == config.num_steps
+            if val_tasks and (
+                last or (config.validation_interval and step % config.validation_interval == 0)
+            ):
+                outcome.metrics |= await _validate(config, val_tasks, env_factory, generator, codec)
+            log.log(step, outcome.metrics)
+            dump_episodes(run_dir, step, outcome.episodes)
+            if last or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
+                _save(run_dir, step, trainer, generator.policy_version, config)
+            _print_step(step, config.num_steps, outcome.metrics)
+            if on_step is not None:
+                on_step(outcome)
+    finally:
+        log.close()
+        await generator.close()
+    metrics_by_step = read_metrics(run_dir)
+    _write_curves(run_dir, metrics_by_step)
+    return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
+
+
+def _run_warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    codec: Codec,
+    warm_start: WarmStart,
+    config: GRPOConfig,
+    warm_dir: Path,
+) -> None:
+    sft = PolicyTrainer(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        learning_rate=warm_start.learning_rate,
+        micro_batch_tokens=config.micro_batch_tokens,
+        max_grad_norm=config.max_grad_norm,
+    )
+
+    def report(step: int, metrics: dict[str, float]) -> None:
+        print(f"warm-start {step + 1}/{warm_start.steps} | sft loss {metrics['sft_loss']:.4f}", flush=True)
+
+    train_sft(
+        sft,
+        codec,
+        warm_start.demonstrations,
+        steps=warm_start.steps,
+        batch_size=warm_start.batch_size,
+        seed=config.seed,
+        on_step=report,
+    )
+    # Saved so that a resumed run (LoRA adapters in its checkpoints) starts from the same base.
+    model.save_pretrained(warm_dir)
+
+
+async def _validate(
+    config: GRPOConfig,
+    val_tasks: Sequence[Task] | None,
+    env_factory: EnvFactory,
+    generator: HFGenerator,
+    codec: Codec,
+) -> dict[str, float]:
+    assert val_tasks
+    sampling = sampling_params(config, codec)
+    report = await evaluate_policy_async(
+        lambda: ModelPolicy(generator, codec, sampling, config.max_model_length),
+        val_tasks,
+        env_factory,
+        episodes_per_task=config.val_episodes_per_task,
+        max_turns=config.max_turns,
+        on_env_error=config.on_env_error,
+        failed_parse_reward=config.failed_parse_reward,
+    )
+    metrics = episode_stats(report.episodes, prefix="val/")
+    metrics |= {f"val/pass@{k}": v for k, v in report.pass_at_k.items()}
+    metrics["val/time_s"] = report.wall_time_s
+    return metrics
+
+
+def _save(run_dir: Path, step: int, trainer: PolicyTrainer, policy_version: int, config: GRPOConfig) -> None:
+    save_checkpoint(
+        run_dir,
+        step,
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        extra_state={"policy_version": policy_version, "seed": config.seed},
+    )
+
+
+def _print_step(step: int, num_steps: int, metrics: dict[str, float]) -> None:
+    parts = [f"step {step}/{num_steps}"]
+    for key, label, fmt in (
+        ("reward_mean", "reward", ".3f"),
+        ("val/reward_mean", "val", ".3f"),
+        ("terminated_ratio", "terminated", ".2f"),
+        ("zero_variance_skip_ratio", "zero-var", ".2f"),
+        ("train/policy_loss", "loss", ".4f"),
+        ("time/step_s", "time", ".1f"),
+    ):
+        if key in metrics and metrics[key] is not None:
+            parts.append(f"{label} {metrics[key]:{fmt}}")
+    print(" | ".join(parts), flush=True)
+
+
+def _write_curves(run_dir: Path, metrics: list[dict[str, Any]]) -> None:
+    try:
+        from cookbook_lib.plots import training_curves_figure
+
+        training_curves_figure(metrics).write_html(run_dir / "training_curves.html", include_plotlyjs="cdn")
+    except Exception as exc:  # a plot must never fail a finished run
+        logger.warning("could not write training_curves.html: %r", exc)
+
+
+# --- single turn ---------------------------------------------------------------------------
+
+
+RewardFn = Callable[[Task, str], float]
+
+
+class SingleTurnEnv(Env):
+    """One prompt, one reply, scored by a reward function: GRPO's classic single-turn setting."""
+
+    def __init__(self, reward_fn: RewardFn, system_prompt: str | None = None) -> None:
+        self.reward_fn = reward_fn
+        self.system_prompt = system_prompt
+        self._messages: list[Message] = []
+        self._task: Task | None = None
+
+    async def reset(self, task: Task) -> list[Message]:
+        self._task = task
+        self._messages = [Message(role="user", content=task.prompt)]
+        if self.system_prompt:
+            self._messages.insert(0, Message(role="system", content=self.system_prompt))
+        return list(self._messages)
+
+    async def step(self, message: Message) -> StepResult:
+        assert self._task is not None, "reset() first"
+        self._messages.append(message)
+        reward = float(self.reward_fn(self._task, message.get("content", "")))
+        return StepResult(terminated=True, truncated=False, messages=list(self._messages), reward=reward)
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return []
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+
+def train_single_turn(
+    config: GRPOConfig,
+    *,
+    tasks: Sequence[Task],
+    reward_fn: RewardFn,
+    val_tasks: Sequence[Task] | None = None,
+    system_prompt: str | None = None,
+    warm_start: WarmStart | None = None,
+    on_step: StepCallback | None = None,
+) -> TrainResult:
+    """GRPO on single replies: ``reward_fn(task, reply_text)`` scores each; no tools, one turn."""
+    return train_multi_turn(
+        dataclasses.replace(config, max_turns=1),
+        tasks=tasks,
+        env_factory=lambda task: SingleTurnEnv(reward_fn, system_prompt),
+        val_tasks=val_tasks,
+        warm_start=warm_start,
+        on_step=on_step,
+    )
+
+
+__all__ = ["SingleTurnEnv", "TrainResult", "WarmStart", "train_multi_turn", "train_single_turn"]

@@ -1,0 +1,247 @@
+"""The policy trainer: gradient steps on packed samples, for GRPO and for the SFT warm-start.
+
+A step packs its samples into micro-batches by a token budget (no compute spent on long padding),
+accumulates gradients over them with normalisers taken over the whole step (so accumulation is
+exact), clips the gradient and steps AdamW. A non-finite loss or gradient skips the optimizer
+step, leaving the weights untouched, and says so in the step's metrics.
+
+Log-probs are computed from ``logits / temperature``: the generator reports the sampled tokens'
+log-probs under the same tempered distribution, so the importance ratio starts at 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from cookbook_lib.episode import EndCause, TokenSequence
+from cookbook_lib.grpo.losses import compute_loss, entropy_from_logits, masked_sum, token_logprobs
+from cookbook_lib.grpo.samples import TrainingSample, collate, pack_micro_batches
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss a GRPO step minimises (see :func:`cookbook_lib.grpo.losses.compute_loss`)."""
+
+    loss_type: str = "ppo_clip"
+    importance_ratio_level: str = "token"
+    aggregation: str = "token_mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    kl_coef: float = 0.0
+    horizon: int = 2048  # the fixed horizon of Dr. GRPO's aggregation
+
+
+class PolicyTrainer:
+    """Holds the trained model (full weights or LoRA), its optimizer and the reference model."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        pad_token_id: int,
+        learning_rate: float,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        micro_batch_tokens: int = 2048,
+        temperature: float = 1.0,
+        use_lora: bool = False,
+        lora_rank: int = 16,
+        lora_alpha: float = 32.0,
+        reference_model: PreTrainedModel | None = None,
+    ) -> None:
+        if use_lora:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear", lora_dropout=0.0
+            )
+            model = get_peft_model(model, lora)
+        self.model = model
+        self.use_lora = use_lora
+        self.pad_token_id = pad_token_id
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_tokens = micro_batch_tokens
+        self.temperature = temperature
+        self.reference_model = reference_model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=weight_decay)
+        self.device = next(model.parameters()).device
+
+    # --- forward ---------------------------------------------------------------------------------
+    def _trained_logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """Tempered logits ``[N, V]`` at the N trained positions only.
+
+        Only ~10% of a tool-use episode's tokens are sampled ones, and ``[B, T, V]`` logits over a
+        49k vocabulary are the largest tensor of the step: running the LM head on just the
+        trained positions saves most of its memory and time.
+        """
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hidden_BTH = causal_lm.base_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).last_hidden_state
+        hidden_NH = hidden_BTH[batch["loss_mask"]]
+        return causal_lm.get_output_embeddings()(hidden_NH).float() / self.temperature
+
+    def _token_logprobs(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs ``[B, T]`` (0 off the mask) and the trained positions' logits."""
+        logits_NV = self._trained_logits(model, batch)
+        mask_BT = batch["loss_mask"]
+        picked_N = token_logprobs(logits_NV.unsqueeze(0), batch["target_ids"][mask_BT].unsqueeze(0))[0]
+        logprobs_BT = torch.zeros(mask_BT.shape, dtype=picked_N.dtype, device=picked_N.device)
+        return logprobs_BT.masked_scatter(mask_BT, picked_N), logits_NV
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+    # --- steps -----------------------------------------------------------------------------------
+    def grpo_step(self, samples: Sequence[TrainingSample], settings: LossSettings) -> dict[str, float]:
+        """One optimizer step of the GRPO loss on ``samples`` (a whole step's batch)."""
+        num_tokens = float(sum(sample.num_loss_tokens for sample in samples))
+        num_sequences = float(len(samples))
+
+        def micro_loss(batch: Batch, logprobs_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            reference_BT = None
+            if settings.kl_coef > 0:
+                reference_BT = self._reference_logprobs(batch)
+            loss, metrics = compute_loss(
+                logprobs_BT,
+                batch["sampling_logprobs"],
+                batch["advantages"],
+                batch["loss_mask"],
+                loss_type=settings.loss_type,
+                importance_ratio_level=settings.importance_ratio_level,
+                aggregation=settings.aggregation,
+                clip_ratio_low=settings.clip_ratio_low,
+                clip_ratio_high=settings.clip_ratio_high,
+                num_tokens_total=num_tokens,
+                num_sequences_total=num_sequences,
+                horizon=settings.horizon,
+                ref_logprobs_BT=reference_BT,
+                kl_coef=settings.kl_coef,
+            )
+            return loss, metrics
+
+        return self._step(list(samples), micro_loss)
+
+    def sft_step(self, sequences: Sequence[TokenSequence]) -> dict[str, float]:
+        """One optimizer step of cross-entropy on the assistant tokens of ``sequences``."""
+        samples = [
+            TrainingSample(
+                tokens_T=seq.tokens_T,
+                loss_mask_T=seq.assistant_mask_T,
+                sampling_logprobs_T=[0.0] * len(seq),
+                policy_versions_T=[0] * len(seq),
+                advantage=0.0,
+                group_index=0,
+                episode_index=i,
+                end_cause=EndCause.TERMINATED,
+                reward=0.0,
+            )
+            for i, seq in enumerate(sequences)
+        ]
+        num_tokens = float(sum(sample.num_loss_tokens for sample in samples))
+
+        def micro_loss(batch: Batch, logprobs_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            loss = -masked_sum(logprobs_BT, batch["loss_mask"]) / num_tokens
+            return loss, {"sft_loss": loss.item()}
+
+        return self._step(samples, micro_loss)
+
+    def _step(
+        self,
+        samples: list[TrainingSample],
+        micro_loss: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    ) -> dict[str, float]:
+        if not samples:
+            raise ValueError("a training step needs at least one sample")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        entropy_weighted, trained_tokens = 0.0, 0
+        finite = True
+        for micro_batch in pack_micro_batches(samples, self.micro_batch_tokens):
+            batch = self._to_device(collate(micro_batch, self.pad_token_id))
+            logprobs_BT, logits_NV = self._token_logprobs(self.model, batch)
+            loss, metrics = micro_loss(batch, logprobs_BT)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            # Losses are already normalised over the whole step: micro-batch parts add up.
+            for key, value in metrics.items():
+                weight = 1.0 if key.endswith("loss") else float(batch["loss_mask"].sum())
+                totals[key] = totals.get(key, 0.0) + value * weight
+            n = int(batch["loss_mask"].sum())
+            entropy_weighted += (
+                entropy_from_logits(
+                    logits_NV.unsqueeze(0), torch.ones_like(logits_NV[None, :, 0], dtype=torch.bool)
+                )
+                * n
+            )
+            trained_tokens += n
+        grad_norm = self._clip_gradients() if finite else math.nan
+        skipped = not finite or not math.isfinite(grad_norm)
+        if skipped:
+            # Never let a NaN or inf reach the weights or AdamW's moments.
+            self.optimizer.zero_grad(set_to_none=True)
+            logger.warning("skipping the optimizer step: non-finite loss or gradient")
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        result = {
+            key: (value if key.endswith("loss") else value / max(trained_tokens, 1))
+            for key, value in totals.items()
+        }
+        result.update(
+            grad_norm=grad_norm,
+            entropy=entropy_weighted / max(trained_tokens, 1),
+            trained_tokens=float(trained_tokens),
+            skipped_step=float(skipped),
+        )
+        return result
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.reference_model is not None:
+            return self._token_logprobs(self.reference_model, batch)[0]
+        if self.use_lora:
+            # The starting model is the base model with the adapters switched off: no copy needed.
+            with self.model.disable_adapter():
+                return self._token_logprobs(self.model, batch)[0]
+        raise ValueError("kl_coef > 0 needs a reference model (full-weight training) or use_lora=True")
+
+    # --- weights for the generator -----------------------------------------------------------------
+    @torch.no_grad()
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The current policy as a plain model's state dict (LoRA merged in), for the generator."""
+        if not self.use_lora:
+            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        self.model.merge_adapter()
+        try:
+            merged = {}
+            for name, tensor in self.model.state_dict().items():
+                if "lora_" in name:
+                    continue
+                plain = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                merged[plain] = tensor.detach().clone()
+            return merged
+        finally:
+            self.model.unmerge_adapter()

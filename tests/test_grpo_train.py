@@ -1,0 +1,169 @@
+"""train_multi_turn end to end on a tiny model: files, metrics, checks, resume, and learning."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from cookbook_lib import models
+from cookbook_lib.envs import Task
+from cookbook_lib.grpo.config import ConfigError, GRPOConfig
+from cookbook_lib.grpo.train import SingleTurnEnv, WarmStart, train_multi_turn, train_single_turn
+from cookbook_lib.metrics import read_metrics
+from cookbook_lib.sft import Demonstration
+from cookbook_lib.types import Message
+
+SEED_METRICS = ["terminated_ratio", "truncated_ratio", "context_overflow_ratio", "parse_failure_ratio"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny random model saved like any local model, so configs can name it."""
+    model, tokenizer = models.tiny_random_model(seed=0)
+    folder = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def vowel_share(task: Task, reply: str) -> float:
+    """A trivially learnable reward for a random model: the share of vowels among its letters."""
+    letters = [c for c in reply.lower() if c.isalpha()]
+    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+
+TASKS = [Task(prompt=f"Say something about {word}.", target=None) for word in ("cats", "rain", "tea", "maps")]
+
+
+def tiny_config(tiny_model_dir, tmp_path, **overrides) -> GRPOConfig:
+    settings = dict(
+        model=tiny_model_dir,
+        batch_size=2,
+        episodes_per_task=4,
+        num_steps=2,
+        validation_interval=1,
+        max_turns=1,
+        max_model_length=256,
+        max_tokens_per_turn=12,
+        micro_batch_tokens=512,
+        learning_rate=1e-3,
+        overlong_buffer_tokens=16,
+        checkpoint_interval=1,
+        runs_dir=str(tmp_path),
+        run_name="tiny",
+    )
+    settings.update(overrides)
+    return GRPOConfig(**settings)
+
+
+def run_single_turn(config: GRPOConfig, **kwargs):
+    return train_single_turn(config, tasks=TASKS, reward_fn=vowel_share, val_tasks=TASKS[:2], **kwargs)
+
+
+def test_a_run_writes_its_config_metrics_episodes_and_checkpoints(tiny_model_dir, tmp_path):
+    config = tiny_config(tiny_model_dir, tmp_path)
+    result = run_single_turn(config)
+    run_dir = tmp_path / "tiny"
+    assert result.run_dir == run_dir
+    assert GRPOConfig.from_yaml(run_dir / "config.yaml") == dataclasses.replace(config, max_turns=1)
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for line in metrics[1:]:
+        for name in [*SEED_METRICS, "zero_variance_skip_ratio", "reward_mean", "val/reward_mean"]:
+            assert name in line, name
+        assert line["policy_version"] == line["step"] - (line["trained_groups"] == 0)
+    assert "val/reward_mean" in metrics[0]
+    assert sorted(p.name for p in (run_dir / "episodes").iterdir()) == [
+        "step_000001.jsonl",
+        "step_000002.jsonl",
+    ]
+    episodes = [json.loads(x) for x in (run_dir / "episodes" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(episodes) >= config.batch_size * config.episodes_per_task
+    assert (run_dir / "checkpoints" / "step_000002" / "state.json").is_file()
+    assert result.validation_rewards()[0][0] == 0
+
+
+def test_bad_config_fails_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    monkeypatch.setattr("cookbook_lib.grpo.train.load_model", no_loading)
+    monkeypatch.setattr("cookbook_lib.grpo.train.load_tokenizer", no_loading)
+    bad = tiny_config(tiny_model_dir, tmp_path, use_lora=True, weight_sync_type="WEIGHT_SYNC_TYPE_PIPELINE")
+    with pytest.raises(ConfigError, match="use_lora=False"):
+        run_single_turn(bad)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="WANDB_MODE=offline"):
+        run_single_turn(tiny_config(tiny_model_dir, tmp_path, wandb_project="p"))
+    with pytest.raises(ConfigError, match="async GRPO"):
+        run_single_turn(tiny_config(tiny_model_dir, tmp_path, max_steps_off_policy=1))
+    with pytest.raises(ValueError, match="at least one task"):
+        train_multi_turn(tiny_config(tiny_model_dir, tmp_path), tasks=[], env_factory=lambda t: None)
+
+
+def test_an_interrupted_run_resumes_without_duplicating_or_losing_steps(tiny_model_dir, tmp_path):
+    config = tiny_config(tiny_model_dir, tmp_path, num_steps=3, checkpoint_interval=1, validation_interval=0)
+
+    def interrupt_after_step_2(outcome):
+        if outcome.step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_single_turn(config, on_step=interrupt_after_step_2)
+    assert [m["step"] for m in read_metrics(tmp_path / "tiny")] == [0, 1, 2]
+    result = run_single_turn(config)
+    steps = [m["step"] for m in result.metrics]
+    assert steps == [0, 1, 2, 3]
+    assert result.metrics[-1]["policy_version"] >= result.metrics[1]["policy_version"]
+    with pytest.raises(ValueError, match="different config"):
+        run_single_turn(dataclasses.replace(config, learning_rate=5e-4))
+
+
+def test_warm_start_then_grpo(tiny_model_dir, tmp_path):
+    demo = Demonstration(
+        messages=[
+            Message(role="user", content=TASKS[0].prompt),
+            Message(role="assistant", content="aaa eee"),
+        ],
+        tool_specs=[],
+    )
+    config = tiny_config(tiny_model_dir, tmp_path, num_steps=1)
+    result = run_single_turn(config, warm_start=WarmStart([demo], steps=2, batch_size=1, learning_rate=1e-3))
+    assert (tmp_path / "tiny" / "warm_start_model" / "config.json").is_file()
+    assert [m["step"] for m in result.metrics] == [0, 1]
+
+
+def test_single_turn_env_scores_the_reply():
+    import asyncio
+
+    env = SingleTurnEnv(vowel_share, system_prompt="Be brief.")
+    opening = asyncio.run(env.reset(TASKS[0]))
+    assert [m["role"] for m in opening] == ["system", "user"]
+    result = asyncio.run(env.step(Message(role="assistant", content="ab")))
+    assert result.terminated and result.reward == 0.5
+
+
+@pytest.mark.slow
+def test_grpo_raises_a_trivially_learnable_reward(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    config = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        num_steps=8,
+        batch_size=4,
+        episodes_per_task=8,
+        learning_rate=3e-3,
+        validation_interval=0,
+        checkpoint_interval=0,
+        max_tokens_per_turn=8,
+    )
+    result = run_single_turn(config)
+    rewards = [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last > first + 0.1, rewards
