@@ -22,7 +22,7 @@ SEED_METRICS = ["terminated_ratio", "truncated_ratio", "context_overflow_ratio",
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """The tiny random model saved like any local model, so configs can name it."""
-    model, tokenizer = models.tiny_random_model(seed=0)
+    model, tokenizer = models.tiny_random_model(seed=0, embedding_scale=10.0)
     folder = tmp_path_factory.mktemp("tiny-model")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -30,9 +30,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def vowel_share(task: Task, reply: str) -> float:
-    """A trivially learnable reward for a random model: the share of vowels among its letters."""
+    """A trivially learnable reward for a random model: 1 when its first letter is a vowel."""
     letters = [c for c in reply.lower() if c.isalpha()]
-    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+    return float(bool(letters) and letters[0] in "aeiou")
 
 
 TASKS = [Task(prompt=f"Say something about {word}.", target=None) for word in ("cats", "rain", "tea", "maps")]
@@ -145,8 +145,8 @@ def test_single_turn_env_scores_the_reply():
     env = SingleTurnEnv(vowel_share, system_prompt="Be brief.")
     opening = asyncio.run(env.reset(TASKS[0]))
     assert [m["role"] for m in opening] == ["system", "user"]
-    result = asyncio.run(env.step(Message(role="assistant", content="ab")))
-    assert result.terminated and result.reward == 0.5
+    result = asyncio.run(env.step(Message(role="assistant", content=" ab")))
+    assert result.terminated and result.reward == 1.0
 
 
 @pytest.mark.slow
@@ -161,9 +161,10 @@ def test_grpo_raises_a_trivially_learnable_reward(tiny_model_dir, tmp_path):
         learning_rate=3e-3,
         validation_interval=0,
         checkpoint_interval=0,
-        max_tokens_per_turn=8,
+        # The reward reads the first letter: one token per reply keeps the credit on it.
+        max_tokens_per_turn=1,
     )
     result = run_single_turn(config)
     rewards = [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
