@@ -75,7 +75,10 @@ class ModelPolicy:
         # The env appends our message to its history; the messages after it are new next time.
         self._messages_rendered = len(messages) + 1
         parsed = self.codec.parse(turn.sampled_tokens)
-        if result.finish_reason == "length" and budget < self.sampling.max_tokens:
+        if (
+            result.finish_reason == "length"
+            and len(prompt) + len(turn.sampled_tokens) >= self.max_model_length
+        ):
             raw = Message(role="assistant", content=parsed.text)
             return PolicyStep(message=raw, end_cause=EndCause.CONTEXT_OVERFLOW, turn=turn)
         if parsed.message is None:

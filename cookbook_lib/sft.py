@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import Codec
 from cookbook_lib.demonstrations import conversation_sequences
 from cookbook_lib.envs.base import Env, Task
@@ -27,6 +28,16 @@ class Demonstration:
 
     messages: list[Message]
     tool_specs: list[ToolSpec]
+
+
+@dataclass
+class WarmStart:
+    """A supervised warm-start on demonstrations before GRPO (skipped when a run resumes)."""
+
+    demonstrations: list[Demonstration]
+    steps: int = 8
+    batch_size: int = 8
+    learning_rate: float = 5e-5
 
 
 async def collect_demonstrations(
@@ -81,3 +92,27 @@ def train_sft(
         if on_step is not None:
             on_step(step, metrics)
     return history
+
+
+def expert_warm_start(
+    tasks: Sequence[Task],
+    env_factory: Callable[[Task], Env],
+    expert_factory: Callable[[Task], Policy],
+    *,
+    num_demonstrations: int,
+    steps: int,
+    batch_size: int = 8,
+    learning_rate: float = 5e-5,
+    max_turns: int = 8,
+    seed: int = 0,
+) -> WarmStart:
+    """A :class:`WarmStart` from a scripted expert on a sample of ``tasks``.
+
+    The sample is drawn across all the tasks given (so every tier and phrasing can appear): a
+    warm-start on one phrasing overfits to it, measured on the embedded model.
+    """
+    chosen = random.Random(seed).sample(list(tasks), min(num_demonstrations, len(tasks)))
+    demonstrations = run_sync(
+        collect_demonstrations(chosen, env_factory, expert_factory, max_turns=max_turns)
+    )
+    return WarmStart(demonstrations, steps=steps, batch_size=batch_size, learning_rate=learning_rate)

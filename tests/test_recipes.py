@@ -25,3 +25,17 @@ def test_evaluate_recipe_runs_the_embedded_model_on_both_environments(tmp_path, 
     for _, report in rows:
         assert report.num_episodes == 2 and report.episodes_path.is_file()
     assert "mean_reward" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tool_use_game", "math_env", "single_turn"])
+def test_grpo_recipes_run_small(recipe, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)  # runs/ goes under the temporary folder
+    module = importlib.import_module(f"recipes.grpo.{recipe}")
+    result = module.main(["--small", "--run-name", f"small-{recipe}"])
+    assert result.run_dir == tmp_path / "runs" / f"small-{recipe}"
+    assert [m["step"] for m in result.metrics] == [0, 1]
+    assert "val/reward_mean" in result.metrics[-1]
+    assert "step 1/1" in capsys.readouterr().out

@@ -34,22 +34,12 @@ from cookbook_lib.metrics import MetricsLogger, dump_episodes, episode_stats, re
 from cookbook_lib.model_policy import ModelPolicy
 from cookbook_lib.models import load_model, load_tokenizer
 from cookbook_lib.rollout import EnvFactory
-from cookbook_lib.sft import Demonstration, train_sft
+from cookbook_lib.sft import WarmStart, train_sft
 from cookbook_lib.types import Message, ToolSpec
 
 logger = logging.getLogger(__name__)
 
 WARM_START_DIR = "warm_start_model"
-
-
-@dataclass
-class WarmStart:
-    """A supervised warm-start on demonstrations before GRPO (skipped when a run resumes)."""
-
-    demonstrations: list[Demonstration]
-    steps: int = 8
-    batch_size: int = 8
-    learning_rate: float = 5e-5
 
 
 @dataclass
@@ -286,7 +276,7 @@ def _print_step(step: int, num_steps: int, metrics: dict[str, float]) -> None:
 
 def _write_curves(run_dir: Path, metrics: list[dict[str, Any]]) -> None:
     try:
-        from cookbook_lib.plots import training_curves_figure
+        from cookbook_lib.training_plots import training_curves_figure
 
         training_curves_figure(metrics).write_html(run_dir / "training_curves.html", include_plotlyjs="cdn")
     except Exception as exc:  # a plot must never fail a finished run
