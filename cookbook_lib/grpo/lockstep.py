@@ -145,7 +145,8 @@ async def lockstep_step(
         overlong_penalty_factor=config.overlong_penalty_factor,
     )
     episodes = [episode for group in groups for episode in group]
-    metrics: dict[str, float] = {**episode_stats(episodes), **batch.stats.metrics()}
+    # Episode stats last: reward_mean over every episode, as validation's val/reward_mean is.
+    metrics: dict[str, float] = {**batch.stats.metrics(), **episode_stats(episodes)}
     metrics["sampling_attempts"] = float(attempts)
     if batch.samples:
         # Train only on a full batch's worth of signal: at most batch_size trained groups.

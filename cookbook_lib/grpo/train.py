@@ -167,10 +167,12 @@ async def _train(
     )
     try:
         if start_step == 0:
+            # No checkpoint yet: whatever an earlier attempt logged is redone from the start.
+            truncate_metrics(run_dir, -1)
             metrics = await _validate(config, val_tasks, env_factory, generator, codec) if val_tasks else {}
             log.log(0, metrics)
-            _save(run_dir, 0, trainer, generator.policy_version, config)
             _print_step(0, config.num_steps, metrics)
+            _notify(on_step, StepOutcome(step=0, metrics=metrics, episodes=[]))
         for step in range(start_step + 1, config.num_steps + 1):
             outcome = await lockstep_step(config, step, tasks, env_factory, trainer, generator, codec)
             last = step == config.num_steps
@@ -183,14 +185,23 @@ async def _train(
             if last or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
                 _save(run_dir, step, trainer, generator.policy_version, config)
             _print_step(step, config.num_steps, outcome.metrics)
-            if on_step is not None:
-                on_step(outcome)
+            _notify(on_step, outcome)
     finally:
         log.close()
         await generator.close()
     metrics_by_step = read_metrics(run_dir)
     _write_curves(run_dir, metrics_by_step)
     return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
+
+
+def _notify(on_step: StepCallback | None, outcome: StepOutcome) -> None:
+    """Call the user's callback; a failing plot must not end a long run (the error is logged)."""
+    if on_step is None:
+        return
+    try:
+        on_step(outcome)
+    except Exception:
+        logger.exception("on_step callback failed at step %d; training goes on", outcome.step)
 
 
 def _run_warm_start(
@@ -278,7 +289,7 @@ def _write_curves(run_dir: Path, metrics: list[dict[str, Any]]) -> None:
     try:
         from cookbook_lib.training_plots import training_curves_figure
 
-        training_curves_figure(metrics).write_html(run_dir / "training_curves.html", include_plotlyjs="cdn")
+        training_curves_figure(metrics).write_html(run_dir / "training_curves.html", include_plotlyjs=True)
     except Exception as exc:  # a plot must never fail a finished run
         logger.warning("could not write training_curves.html: %r", exc)
 

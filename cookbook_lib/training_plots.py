@@ -1,0 +1,298 @@
+"""Training curves of a GRPO run: a static figure for ``runs/<run>/training_curves.html``, and a live
+widget a notebook updates after every step.
+
+Both draw the same four panels from the step records of ``metrics.jsonl`` (one dict per step, the
+keys :mod:`cookbook_lib.grpo.lockstep` logs):
+
+- reward: the training reward per step, and the validation reward at the steps that validated
+  (step 0 is the validation before any GRPO step, i.e. of the warm-started model);
+- how episodes ended: the seed's end-cause ratios, plus the share of groups skipped for zero variance;
+- the policy loss;
+- entropy and gradient norm, the first things to look at when a run goes wrong.
+
+A missing key or a ``None`` (a NaN written to JSON) leaves that step out of that curve only: a step
+without validation has no validation point, rather than a misleading 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from cookbook_lib.episode import EndCause
+from cookbook_lib.metrics import read_metrics
+from cookbook_lib.plots import END_CAUSE_COLORS
+
+if TYPE_CHECKING:
+    from cookbook_lib.grpo.lockstep import StepOutcome
+
+logger = logging.getLogger(__name__)
+
+PANEL_TITLES = ("Reward", "How episodes ended (share of episodes)", "Policy loss", "Entropy and grad norm")
+# Panel number -> (row, col) in the 2 x 2 grid, and its heading in the legend.
+_CELLS = {1: (1, 1), 2: (1, 2), 3: (2, 1), 4: (2, 2)}
+_LEGEND_GROUPS = {1: "Reward", 2: "End causes", 3: "Loss", 4: "Entropy, grad norm"}
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One line of the figure: the metric it plots, its legend name, its panel (1-4) and style."""
+
+    key: str
+    name: str
+    panel: int
+    color: str
+    dash: str = "solid"
+    marker_size: int = 5
+
+
+CURVES: tuple[Curve, ...] = (
+    Curve("reward_mean", "train reward", 1, "#1f77b4"),
+    Curve("val/reward_mean", "validation reward", 1, "#ff7f0e", marker_size=9),
+    Curve("terminated_ratio", "terminated", 2, END_CAUSE_COLORS[EndCause.TERMINATED]),
+    Curve("truncated_ratio", "truncated (any cause)", 2, "#555555"),
+    Curve("max_turns_ratio", "max turns", 2, END_CAUSE_COLORS[EndCause.MAX_TURNS], dash="dot"),
+    Curve(
+        "context_overflow_ratio", "context overflow", 2, END_CAUSE_COLORS[EndCause.CONTEXT_OVERFLOW], "dot"
+    ),
+    Curve("parse_failure_ratio", "parse failure", 2, END_CAUSE_COLORS[EndCause.PARSE_FAILURE], "dot"),
+    Curve("zero_variance_skip_ratio", "zero-variance groups skipped", 2, "#9467bd", dash="dash"),
+    Curve("train/policy_loss", "policy loss", 3, "#8c564b"),
+    Curve("train/entropy", "entropy (nats)", 4, "#17becf"),
+    Curve("train/grad_norm", "grad norm", 4, "#7f7f7f", dash="dash"),
+)
+
+TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("step", "step"),
+    ("reward_mean", "reward"),
+    ("val/reward_mean", "val reward"),
+    ("terminated_ratio", "terminated"),
+    ("truncated_ratio", "truncated"),
+    ("parse_failure_ratio", "parse fail"),
+    ("zero_variance_skip_ratio", "zero-var skip"),
+    ("train/policy_loss", "loss"),
+    ("train/entropy", "entropy"),
+    ("time/step_s", "step s"),
+)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None for anything a curve should not draw (None, NaN, text)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def curve_points(metrics: Iterable[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """The (steps, values) of ``key`` over step records, skipping records without a usable value."""
+    steps: list[int] = []
+    values: list[float] = []
+    for record in metrics:
+        value = _number(record.get(key))
+        if value is not None and "step" in record:
+            steps.append(int(record["step"]))
+            values.append(value)
+    return steps, values
+
+
+def _scatter(curve: Curve, steps: Sequence[int], values: Sequence[float]) -> go.Scatter:
+    return go.Scatter(
+        x=list(steps),
+        y=list(values),
+        name=curve.name,
+        mode="lines+markers",
+        line={"color": curve.color, "dash": curve.dash},
+        marker={"size": curve.marker_size},
+        legendgroup=str(curve.panel),
+        legendgrouptitle_text=_LEGEND_GROUPS[curve.panel],
+        hovertemplate=f"{curve.name}<br>step %{{x}}: %{{y:.4g}}<extra></extra>",
+    )
+
+
+def _grid(title: str) -> go.Figure:
+    figure = make_subplots(rows=2, cols=2, subplot_titles=PANEL_TITLES, vertical_spacing=0.14)
+    figure.update_xaxes(title_text="step", row=2)
+    figure.update_yaxes(range=[-0.05, 1.05], row=1, col=2)  # ratios: a fixed scale reads across runs
+    figure.update_layout(
+        title=title,
+        height=640,
+        margin={"t": 80, "b": 50},
+        legend={"tracegroupgap": 12, "groupclick": "toggleitem"},
+    )
+    return figure
+
+
+def training_curves_figure(metrics: Sequence[Mapping[str, Any]], title: str = "Training curves") -> go.Figure:
+    """The four panels from step records (``read_metrics(run_dir)`` or ``TrainResult.metrics``).
+
+    Curves with no value at any step are left out, so a run without validation (or a test without
+    a trainer) shows no empty legend entries.
+    """
+    figure = _grid(title)
+    for curve in CURVES:
+        steps, values = curve_points(metrics, curve.key)
+        if steps:
+            row, col = _CELLS[curve.panel]
+            figure.add_trace(_scatter(curve, steps, values), row=row, col=col)
+    return figure
+
+
+def _cell(value: Any) -> str:
+    number = _number(value)
+    if number is None:
+        return ""
+    return str(value) if isinstance(value, int) else f"{number:.3f}"  # steps and counts stay integers
+
+
+def metrics_table_figure(
+    metrics: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]] = TABLE_COLUMNS
+) -> go.Figure:
+    """A plotly table of the step records, one row per step, ``columns`` as (key, header) pairs.
+
+    A plotly table rather than a DataFrame because pandas is not a dependency; empty cells are
+    metrics a step did not log (validation runs only every few steps).
+    """
+    table = go.Table(
+        header={"values": [header for _, header in columns], "align": "left", "fill_color": "#e8e8e8"},
+        cells={
+            "values": [[_cell(record.get(key)) for record in metrics] for key, _ in columns],
+            "align": "left",
+        },
+    )
+    figure = go.Figure(table)
+    figure.update_layout(
+        height=min(120 + 28 * len(metrics), 600), margin={"t": 20, "b": 10, "l": 10, "r": 10}
+    )
+    return figure
+
+
+class LiveTrainingPlots:
+    """The training curves as a ``FigureWidget`` plus a progress bar, redrawn after every step.
+
+    Pass the instance as ``on_step`` to ``train_multi_turn`` and display ``widget`` before the call::
+
+        live = LiveTrainingPlots(num_steps=config.num_steps, run_dir=config.run_dir)
+        display(live.widget)
+        train_multi_turn(config, ..., on_step=live)
+
+    In a notebook, ``train_multi_turn`` runs its event loop on a worker thread, so ``update`` is
+    called from that thread. Records are kept in plain Python (under a lock) and then pushed to the
+    widgets; a failure to draw is logged, never raised, because a plot must not stop a training run.
+
+    ``on_step`` is not called for step 0 (the validation before training), so with ``run_dir`` the
+    plots read the steps they have not seen from ``metrics.jsonl``: the validation line then starts
+    at step 0, and a resumed run shows its history.
+    """
+
+    def __init__(
+        self,
+        num_steps: int | None = None,
+        *,
+        metrics: Iterable[Mapping[str, Any]] = (),
+        run_dir: str | Path | None = None,
+        title: str = "Training curves (live)",
+    ) -> None:
+        self.num_steps = num_steps
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._records: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self.figure = go.FigureWidget(_grid(title))
+        for curve in CURVES:
+            row, col = _CELLS[curve.panel]
+            self.figure.add_trace(_scatter(curve, [], []), row=row, col=col)
+        self.progress = widgets.IntProgress(value=0, min=0, max=max(num_steps or 1, 1), description="GRPO")
+        self.label = widgets.Label(value="waiting for the first step")
+        self._widget = widgets.VBox([widgets.HBox([self.progress, self.label]), self.figure])
+        with self._lock:
+            for record in metrics:
+                self._add(record)
+            self._backfill()
+            self._push()
+
+    @property
+    def widget(self) -> widgets.VBox:
+        """The progress bar above the figure: what a notebook displays."""
+        return self._widget
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """Every step record received so far, in step order (copies)."""
+        with self._lock:
+            return [dict(self._records[step]) for step in sorted(self._records)]
+
+    def update(self, outcome_or_metrics: StepOutcome | Mapping[str, Any]) -> None:
+        """Add one step (a ``StepOutcome`` or a record dict with ``"step"``) and redraw.
+
+        A dict without ``"step"`` is taken as the step after the last one seen. A step seen before
+        (a resumed run trains it again) replaces the old record.
+        """
+        if isinstance(outcome_or_metrics, Mapping):
+            record = dict(outcome_or_metrics)
+        else:
+            record = {**outcome_or_metrics.metrics, "step": outcome_or_metrics.step}
+        with self._lock:
+            self._backfill()
+            if "step" not in record:
+                record["step"] = max(self._records, default=0) + 1
+            self._add(record)
+            self._push()
+
+    __call__ = update
+
+    def _add(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        self._records[step] = {**record, "step": step}
+
+    def _backfill(self) -> None:
+        """Records of ``run_dir/metrics.jsonl`` not received yet (step 0, or a resumed run's past)."""
+        if self.run_dir is None:
+            return
+        try:
+            logged = read_metrics(self.run_dir)
+        except (OSError, ValueError) as exc:  # a line being written, a folder not made yet
+            logger.debug("could not read %s: %r", self.run_dir, exc)
+            return
+        for record in logged:
+            if int(record["step"]) not in self._records:
+                self._add(record)
+
+    def _push(self) -> None:
+        records = [self._records[step] for step in sorted(self._records)]
+        try:
+            with self.figure.batch_update():
+                for trace, curve in zip(self.figure.data, CURVES, strict=True):
+                    trace.x, trace.y = curve_points(records, curve.key)
+            self._update_progress(records)
+        except Exception as exc:  # drawing must never fail the run that calls us
+            logger.warning("could not update the live training plots: %r", exc)
+
+    def _update_progress(self, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        last = records[-1]
+        step = int(last["step"])
+        if self.num_steps is None:
+            self.progress.max = max(self.progress.max, step, 1)
+        self.progress.value = min(step, self.progress.max)
+        if self.num_steps is not None and step >= self.num_steps:
+            self.progress.bar_style = "success"
+        parts = [f"step {step}" + (f"/{self.num_steps}" if self.num_steps is not None else "")]
+        reward = _number(last.get("reward_mean"))
+        if reward is not None:
+            parts.append(f"reward {reward:.3f}")
+        val_steps, val_rewards = curve_points(records, "val/reward_mean")
+        if val_steps:
+            parts.append(f"val reward {val_rewards[-1]:.3f} (step {val_steps[-1]})")
+        step_time = _number(last.get("time/step_s"))
+        if step_time is not None:
+            parts.append(f"{step_time:.1f} s/step")
+        self.label.value = " · ".join(parts)
