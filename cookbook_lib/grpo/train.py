@@ -159,16 +159,15 @@ async def _train(
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=trainer.model, optimizer=trainer.optimizer)
         start_step = state.step
-        truncate_metrics(run_dir, start_step)
         await generator.update_weights(trainer.export_weights(), int(state.extra_state["policy_version"]))
         print(f"resumed {run_dir} after step {start_step}")
+    # Lines after the checkpoint (all of them, without one) are redone: nothing is logged twice.
+    truncate_metrics(run_dir, start_step if checkpoint is not None else -1)
     log = MetricsLogger(
         run_dir, wandb_project=config.wandb_project, run_name=config.run_name, config=config.to_dict()
     )
     try:
         if start_step == 0:
-            # No checkpoint yet: whatever an earlier attempt logged is redone from the start.
-            truncate_metrics(run_dir, -1)
             metrics = await _validate(config, val_tasks, env_factory, generator, codec) if val_tasks else {}
             log.log(0, metrics)
             _print_step(0, config.num_steps, metrics)
