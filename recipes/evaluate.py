@@ -18,7 +18,7 @@ from cookbook_lib.evaluate import EvalReport, default_run_name, evaluate
 from cookbook_lib.generators import SamplingParams
 from envs.math_env import MathEnv, load_math_tasks
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks
-from recipes.demo import format_table
+from recipes.experts import format_table
 
 ENVIRONMENTS: dict[str, tuple[Callable[[str], list[Task]], Callable[[Task], Env]]] = {
     "math": (load_math_tasks, lambda task: MathEnv()),

@@ -464,3 +464,198 @@ def test_a_failing_forward_fails_its_requests_and_the_generator_goes_on(model, p
             return await generator.sample(prompts[0], SamplingParams(max_tokens=4))
 
     assert len(run(main()).tokens) == 4
+
+
+# ---- prefix reuse --------------------------------------------------------------------------
+
+
+def _turn_extra(tokenizer, turn: int, episode: int = 0) -> list[int]:
+    """What a multi-turn prompt appends after the sampled tokens: end of turn, tool result, next turn."""
+    result = "7" * (1 + (turn + episode) % 5)  # different lengths, so the prefill is padded
+    return tokenizer.encode(
+        f"<|im_end|>\n<|im_start|>user\nresult: {result}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+async def _episode(generator, tokenizer, prompt: list[int], turns: int, params_for, episode: int = 0):
+    """Plays ``turns`` turns token-exactly: each prompt is the last prompt + its sample + new tokens."""
+    played = []
+    for turn in range(turns):
+        result = await generator.sample(prompt, params_for(turn))
+        played.append((prompt, result))
+        prompt = prompt + result.tokens + _turn_extra(tokenizer, turn, episode)
+    return played
+
+
+def _reused_by(played) -> int:
+    """Tokens a prefix cache saves on these turns: every later turn reuses the previous one's cache,
+    which holds that turn's prompt and all its sampled tokens but the last."""
+    return sum(len(prompt) + len(result.tokens) - 1 for prompt, result in played[:-1])
+
+
+def test_prefix_reuse_gives_the_same_greedy_tokens_and_logprobs_over_three_turns(model, tokenizer, prompts):
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    async def play(entries: int):
+        async with HFGenerator(model, pad_token_id=2, prefix_cache_entries=entries) as generator:
+            played = await _episode(generator, tokenizer, prompts[2], 3, lambda turn: params)
+            return played, generator.stats
+
+    (off, off_stats), (on, on_stats) = run(play(0)), run(play(64))
+    assert [r.tokens for _, r in on] == [r.tokens for _, r in off]
+    for (prompt, result), (_, reference) in zip(on, off, strict=True):
+        assert result.tokens == generate_alone(model, prompt, 8)
+        assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+        expected = forward_logprobs(model, prompt, result.tokens).max(dim=-1).values
+        assert torch.allclose(torch.tensor(result.logprobs, dtype=torch.float64), expected, atol=1e-4)
+    total = sum(len(prompt) for prompt, _ in on)
+    assert off_stats.reused_tokens == 0 and off_stats.prefill_tokens == total
+    assert on_stats.reused_tokens == _reused_by(on) > 0
+    assert on_stats.prefill_tokens == total - on_stats.reused_tokens
+    assert on_stats.prefill_tokens == len(on[0][0]) + sum(len(_turn_extra(tokenizer, t)) + 1 for t in (0, 1))
+
+
+def test_many_episodes_in_flight_reuse_their_prefixes_and_sample_the_same(model, tokenizer, prompts):
+    """Episodes out of step with each other: reusing rows join running batches of other lengths."""
+    count, turns = 10, 3
+
+    def params_for(episode: int):
+        # Different lengths per episode and turn (one finishes on its first token), seeded sampling.
+        return lambda turn: SamplingParams(
+            max_tokens=1 + (3 * episode + 5 * turn) % 11, seed=100 * episode + turn
+        )
+
+    async def play(entries: int):
+        async with HFGenerator(model, pad_token_id=2, prefix_cache_entries=entries) as generator:
+            played = await asyncio.gather(
+                *(
+                    _episode(generator, tokenizer, prompts[i % 4] + [40 + i], turns, params_for(i), i)
+                    for i in range(count)
+                )
+            )
+            return played, generator.stats
+
+    (off, _), (on, stats) = run(play(0)), run(play(64))
+    assert stats.max_rows > 1 and stats.prefill_calls > turns  # batched, and admitted at many times
+    assert stats.reused_tokens == sum(_reused_by(episode) for episode in on)
+    for episode_on, episode_off in zip(on, off, strict=True):
+        assert [r.tokens for _, r in episode_on] == [r.tokens for _, r in episode_off]
+        for prompt, result in episode_on:
+            expected = forward_logprobs(model, prompt, result.tokens)
+            chosen = expected.gather(1, torch.tensor(result.tokens)[:, None]).squeeze(1)
+            assert torch.allclose(torch.tensor(result.logprobs, dtype=torch.float64), chosen, atol=1e-4)
+
+
+def test_prompts_that_extend_no_kept_sequence_are_prefilled_whole(model, prompts):
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    async def main():
+        async with HFGenerator(model, pad_token_id=2) as generator:
+            first = await generator.sample(prompts[1], params)
+            covered = prompts[1] + first.tokens[:-1]  # what the kept cache of `first` holds
+            # Unrelated; diverging inside the kept sequence; exactly the kept tokens (none left to feed).
+            misses = [prompts[3], prompts[1] + [first.tokens[0] + 1, 5], covered]
+            results = [await generator.sample(prompt, params) for prompt in misses]
+            missed = generator.stats.reused_tokens
+            # The whole first sequence, nothing appended: only its last sampled token is fed.
+            extended = await generator.sample(prompts[1] + first.tokens, params)
+            return first, misses, results, missed, extended, generator.stats
+
+    first, misses, results, missed, extended, stats = run(main())
+    assert missed == 0
+    for prompt, result in zip(misses, results, strict=True):
+        assert result.tokens == generate_alone(model, prompt, 6)
+    assert stats.reused_tokens == len(prompts[1]) + 5
+    assert extended.tokens == generate_alone(model, prompts[1] + first.tokens, 6)
+
+
+def test_update_weights_drops_kept_prefixes_and_a_sample_spanning_it_is_not_kept(model, prompts):
+    new_model = _sharpen(model, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    reached, submitted = threading.Event(), threading.Event()
+    hold_at: list[int] = []  # the decode step to hold at, set once the first sample is done
+
+    def hold(info: StepInfo) -> None:
+        if info.kind == "decode" and hold_at and generator.stats.decode_steps == hold_at[0]:
+            reached.set()
+            submitted.wait(TIMEOUT_S)
+
+    async def main():
+        first = await generator.sample(prompts[1], params)
+        kept_before = generator.num_cached_prefixes
+        hold_at.append(generator.stats.decode_steps + 2)  # after the prefill and two decode steps
+        # A second sample is in flight when the weights change: its cache mixes both versions.
+        spanning = asyncio.create_task(generator.sample(prompts[0], params))
+        await asyncio.to_thread(reached.wait, TIMEOUT_S)
+        update = asyncio.create_task(generator.update_weights(new_model.state_dict(), version=1))
+        while not generator._weight_updates:
+            await asyncio.sleep(0.001)
+        submitted.set()
+        await update
+        kept_after_update = generator.num_cached_prefixes
+        spanned = await spanning
+        kept_after_spanning = generator.num_cached_prefixes
+        # The next turn of `first` finds nothing to reuse, and is sampled by the new weights alone.
+        turn = await generator.sample(prompts[1] + first.tokens + [5, 6], params)
+        await generator.close()
+        return first, kept_before, kept_after_update, spanned, kept_after_spanning, turn
+
+    generator = HFGenerator(copy.deepcopy(model), pad_token_id=2, step_callback=hold)
+    first, kept_before, kept_after_update, spanned, kept_after_spanning, turn = run(main())
+    assert kept_before == 1 and kept_after_update == 0
+    assert spanned.policy_versions == [0] * 3 + [1] * 3 and kept_after_spanning == 0
+    assert generator.stats.reused_tokens == 0
+    assert turn.tokens == generate_alone(new_model, prompts[1] + first.tokens + [5, 6], 6)
+
+
+def test_the_prefix_cache_is_a_bounded_lru_of_proper_prefixes():
+    from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
+
+    def entry(*tokens: int) -> CachedPrefix:
+        return CachedPrefix(tokens, [(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))])
+
+    cache = PrefixCache(max_entries=3)
+    for first in range(5):
+        cache.put(entry(first, 1, 2))
+    assert len(cache) == 3 and cache.num_tokens == 9
+    assert cache.take([0, 1, 2, 3]) is None and cache.take([1, 1, 2, 3]) is None  # the oldest went first
+    assert cache.take([4, 1, 2]) is None  # the prompt's last token must be left to feed
+    assert cache.take([4, 1, 2, 3]).tokens == (4, 1, 2)
+    assert cache.take([4, 1, 2, 3]) is None and len(cache) == 2  # used once, then dropped
+
+    cache.put(entry(2, 1))
+    assert cache.take([2, 1, 2, 9]).tokens == (2, 1, 2)  # the longest of several prefixes
+    assert cache.take([2, 1, 2, 9]).tokens == (2, 1)
+
+    by_tokens = PrefixCache(max_entries=10, max_tokens=5)
+    by_tokens.put(entry(1, 2))
+    by_tokens.put(entry(3, 4))
+    by_tokens.put(entry(5, 6))  # 6 tokens > 5: the oldest goes
+    by_tokens.put(entry(*range(6)))  # longer than the whole budget: not kept, nothing evicted
+    assert by_tokens.num_tokens == 4 and by_tokens.take([1, 2, 0]) is None
+    assert by_tokens.take([5, 6, 0]) is not None
+    with pytest.raises(ValueError):
+        PrefixCache(max_entries=-1)
+
+
+def test_the_generator_keeps_at_most_its_bound_and_frees_everything_on_close(model, prompts):
+    import gc
+    import weakref
+
+    params = SamplingParams(max_tokens=4)
+
+    async def main(entries: int):
+        generator = HFGenerator(model, pad_token_id=2, prefix_cache_entries=entries)
+        await asyncio.gather(*(generator.sample(prompts[i % 4] + [30 + i], params) for i in range(6)))
+        kept = generator.num_cached_prefixes
+        tensors = [
+            weakref.ref(k) for prefix in generator._prefixes._entries.values() for k, _ in prefix.layers
+        ]
+        await generator.close()
+        return kept, generator.num_cached_prefixes, tensors
+
+    kept, after_close, tensors = run(main(2))
+    gc.collect()
+    assert kept == 2 and after_close == 0
+    assert tensors and all(ref() is None for ref in tensors)  # no cache outlives close()
+    assert run(main(0))[0] == 0

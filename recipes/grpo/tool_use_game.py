@@ -25,19 +25,19 @@ def demo_config(**overrides) -> GRPOConfig:
     """The seed's example config, sized for a CPU (the seed's 200 steps are hours here)."""
     settings = dict(
         batch_size=4,
-        episodes_per_task=8,
-        num_steps=12,
-        validation_interval=4,
+        episodes_per_task=4,
+        num_steps=10,
+        validation_interval=5,
         val_episodes_per_task=1,
         max_turns=6,
         max_model_length=1536,
         max_tokens_per_turn=48,
         micro_batch_tokens=4096,
-        learning_rate=2e-5,
+        learning_rate=3e-5,
         wandb_project=None,
         sequential_validation=True,
         max_sampling_attempts=2,
-        checkpoint_interval=4,
+        checkpoint_interval=5,
     )
     settings.update(overrides)
     return GRPOConfig(**settings)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
     parser.add_argument("--config", help="a GRPOConfig YAML file; flags below override it")
     parser.add_argument("--run-name", default=None)
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
-    parser.add_argument("--val-tasks", type=int, default=40, help="validation tasks (from the val split)")
+    parser.add_argument("--val-tasks", type=int, default=30, help="validation tasks (from the val split)")
     parser.add_argument("--warm-start-demos", type=int, default=64)
     parser.add_argument("--warm-start-steps", type=int, default=4)
     parser.add_argument("--small", action="store_true", help="a tiny run, to check the recipe works")

@@ -1,8 +1,8 @@
-"""The README's main job runs and the experts solve every bundled task."""
+"""The experts recipe runs and the experts solve every bundled task."""
 
 from __future__ import annotations
 
-from recipes import demo
+from recipes import experts as demo
 
 
 def test_demo_experts_solve_every_bundled_task(capsys):
