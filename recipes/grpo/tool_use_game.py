@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
     parser.add_argument("--val-tasks", type=int, default=30, help="validation tasks (from the val split)")
     parser.add_argument("--warm-start-demos", type=int, default=64)
-    parser.add_argument("--warm-start-steps", type=int, default=4)
+    parser.add_argument("--warm-start-steps", type=int, default=8)
     parser.add_argument("--small", action="store_true", help="a tiny run, to check the recipe works")
     args = parser.parse_args(argv)
 
