@@ -35,7 +35,7 @@ def test_grpo_recipes_run_small(recipe, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # runs/ goes under the temporary folder
     module = importlib.import_module(f"recipes.grpo.{recipe}")
     result = module.main(["--small", "--run-name", f"small-{recipe}"])
-    assert result.run_dir == tmp_path / "runs" / f"small-{recipe}"
+    assert result.run_dir.resolve() == (tmp_path / "runs" / f"small-{recipe}").resolve()
     assert [m["step"] for m in result.metrics] == [0, 1]
     assert "val/reward_mean" in result.metrics[-1]
     assert "step 1/1" in capsys.readouterr().out
