@@ -1,7 +1,8 @@
 """Generation throughput on the embedded model: ways to sample the same prompts, side by side in one run.
 
-    python bench/bench_generator.py            # 16 chat prompts x 64 new tokens
-    python bench/bench_generator.py --quick    # 8 prompts x 16 new tokens
+    python bench/bench_generator.py                  # 16 chat prompts x 64 new tokens, then (f)
+    python bench/bench_generator.py --quick          # 8 prompts x 16 new tokens, then a smaller (f)
+    python bench/bench_generator.py --prefix-only    # (f) alone
 
 Methods (sampling at temperature 1, no early stop, so every method produces the same number of
 tokens and tokens/s compare directly):
@@ -12,6 +13,10 @@ tokens and tokens/s compare directly):
   (e) a multi-turn-shaped load: each prompt is a client sending two requests in a row with
       long-tailed lengths, served by ``HFGenerator`` with continuous batching (finished rows are
       replaced mid-batch) and with static batching (new requests wait for the batch to end).
+Then (f), prefix reuse: concurrent multi-turn clients, each turn's prompt the previous prompt +
+its 16 sampled tokens + ~35 tokens of tool result (~450 tokens at the first turn), served by
+``HFGenerator`` with the prefix cache off and on. Seeded, so both arms sample the same tokens;
+it prints wall time, prefill tokens fed and reused, and the ratios.
 Timings on a shared CPU are noisy: compare the ratios of one run, not numbers across runs.
 """
 
@@ -22,6 +27,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
@@ -130,6 +136,114 @@ def two_turn_clients(
     return asyncio.run(main())
 
 
+TOOLS = ["calculator", "weather", "search", "calendar", "translate", "convert_units", "stock_price"]
+
+
+def tool_use_prompts(tokenizer, count: int) -> list[list[int]]:
+    """First-turn prompts of a tool-use agent: a long shared system prompt, then one question each."""
+    lines = [
+        "You are a careful assistant that solves tasks by calling tools. Call one tool at a time, read "
+        "its result, then either call another tool or give the final answer. Available tools:"
+    ]
+    for i, name in enumerate(TOOLS):
+        lines.append(
+            f"- {name}(query: string, limit: integer = {i + 3}): looks up {name.replace('_', ' ')} "
+            "information for the query and returns at most `limit` results as a JSON list of objects "
+            "with the fields `title`, `value` and `source`."
+        )
+    lines.append("Answer in one short sentence once you know the answer.")
+    system = "\n".join(lines)
+    prompts = []
+    for question in (QUESTIONS * 2)[:count]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    return prompts
+
+
+def tool_result(tokenizer, client: int, turn: int) -> list[int]:
+    """What a multi-turn prompt appends after the sampled tokens: end of turn, tool result, next turn."""
+    value = 391 * (client + 1) + turn
+    return tokenizer.encode(
+        f'<|im_end|>\n<|im_start|>user\n<tool_response>{{"title": "result {turn}", "value": {value}}}'
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@dataclass
+class MultiTurnRun:
+    seconds: float
+    sampled_tokens: int
+    prefill_tokens: int
+    reused_tokens: int
+    samples: list[list[list[int]]]  # client -> turn -> sampled tokens
+
+
+def multi_turn_clients(
+    model, tokenizer, prompts: list[list[int]], turns: int, new_tokens: int, prefix_cache: bool
+) -> MultiTurnRun:
+    """Each client plays ``turns`` turns token-exactly; every sample seeded, no early stop."""
+
+    async def client(generator: HFGenerator, index: int, prompt: list[int]) -> list[list[int]]:
+        sampled = []
+        for turn in range(turns):
+            params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=1000 * index + turn)
+            result = await generator.sample(prompt, params)
+            sampled.append(result.tokens)
+            prompt = prompt + result.tokens + tool_result(tokenizer, index, turn)
+        return sampled
+
+    async def main() -> MultiTurnRun:
+        entries = 64 if prefix_cache else 0
+        start = time.perf_counter()
+        async with HFGenerator(
+            model, pad_token_id=tokenizer.pad_token_id, prefix_cache_entries=entries
+        ) as generator:
+            samples = await asyncio.gather(*(client(generator, i, p) for i, p in enumerate(prompts)))
+        stats = generator.stats
+        seconds = time.perf_counter() - start
+        return MultiTurnRun(seconds, stats.tokens_sampled, stats.prefill_tokens, stats.reused_tokens, samples)
+
+    return asyncio.run(main())
+
+
+def prefix_reuse(model, tokenizer, clients: int, turns: int, new_tokens: int, repeats: int) -> None:
+    prompts = tool_use_prompts(tokenizer, clients)
+    print(
+        f"\n(f) prefix reuse: {clients} clients x {turns} turns, first prompts "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, +{new_tokens} sampled "
+        f"+~{len(tool_result(tokenizer, 0, 0))} tool-result tokens per turn"
+    )
+    print(f"{'prefix cache':14} {'seconds':>8} {'prefill tokens':>15} {'reused tokens':>14} {'sampled':>8}")
+    runs: dict[bool, list[MultiTurnRun]] = {False: [], True: []}
+    for _ in range(repeats):
+        for enabled in (False, True):  # alternated, so drifting machine load hits both arms alike
+            result = multi_turn_clients(model, tokenizer, prompts, turns, new_tokens, enabled)
+            runs[enabled].append(result)
+            print(
+                f"{'on' if enabled else 'off':14} {result.seconds:8.2f} {result.prefill_tokens:15d} "
+                f"{result.reused_tokens:14d} {result.sampled_tokens:8d}"
+            )
+    off, on = runs[False][-1], runs[True][-1]
+    best_off, best_on = min(r.seconds for r in runs[False]), min(r.seconds for r in runs[True])
+    print(
+        f"best wall time off/on: {best_off / best_on:.2f}x; prefill tokens off/on: "
+        f"{off.prefill_tokens / on.prefill_tokens:.2f}x"
+    )
+    # Seeded samples agree unless float rounding (which differs with each batch's make-up, cache
+    # or not) moves a token boundary past the row's uniform draw; a flipped turn changes the
+    # prompts of that client's later turns. Repeats show the same noise between two "off" runs.
+    print(f"turns sampled identically, off vs on: {_same_turns(off, on)}/{clients * turns}", end="")
+    if repeats > 1:
+        print(f"; off vs off: {_same_turns(runs[False][0], runs[False][1])}/{clients * turns}", end="")
+    print()
+
+
+def _same_turns(first: MultiTurnRun, second: MultiTurnRun) -> int:
+    pairs = zip(first.samples, second.samples, strict=True)
+    return sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
+
+
 def timed(run: Callable[[], int]) -> tuple[float, int]:
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -141,11 +255,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="8 prompts x 16 new tokens")
+    parser.add_argument(
+        "--quick", action="store_true", help="8 prompts x 16 new tokens; (f) 8 clients x 3 turns"
+    )
+    parser.add_argument("--prefix-only", action="store_true", help="run (f), prefix reuse, alone")
+    parser.add_argument("--repeats", type=int, default=1, help="times to run each arm of (f)")
     args = parser.parse_args()
     count, new_tokens = (8, 16) if args.quick else (16, 64)
 
     model, tokenizer = load_model(), load_tokenizer()
+    if args.prefix_only:
+        one_at_a_time(model, chat_prompts(tokenizer, 1), sampling_config(4, tokenizer.pad_token_id))
+        prefix_reuse(model, tokenizer, 8 if args.quick else 16, 3 if args.quick else 4, 16, args.repeats)
+        return
     pad = tokenizer.pad_token_id
     prompts = chat_prompts(tokenizer, count)
     config = sampling_config(new_tokens, pad)
@@ -181,6 +303,7 @@ def main() -> None:
         rate = tokens / seconds
         baseline = baseline or rate
         print(f"{name:48} {tokens:7d} {seconds:8.2f} {rate:9.1f} {rate / baseline:6.2f}x")
+    prefix_reuse(model, tokenizer, 8 if args.quick else 16, 3 if args.quick else 4, 16, args.repeats)
 
 
 if __name__ == "__main__":

@@ -659,3 +659,31 @@ def test_the_generator_keeps_at_most_its_bound_and_frees_everything_on_close(mod
     assert kept == 2 and after_close == 0
     assert tensors and all(ref() is None for ref in tensors)  # no cache outlives close()
     assert run(main(0))[0] == 0
+
+
+def test_a_sliding_window_model_samples_without_prefix_reuse():
+    """Sliding-window layers keep only their last keys: a kept row could not be stacked back."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    model = _sharpen(AutoModelForCausalLM.from_config(config), seed=3)
+    params = SamplingParams(temperature=0, max_tokens=5)
+
+    async def main():
+        async with HFGenerator(model, pad_token_id=0) as generator:
+            first = await generator.sample(list(range(10, 22)), params)
+            second = await generator.sample(list(range(10, 22)) + first.tokens + [7], params)
+            return first, second, generator.num_cached_prefixes, generator.stats
+
+    first, second, kept, stats = run(main())
+    assert kept == 0 and stats.reused_tokens == 0
+    assert second.tokens == generate_alone(model, list(range(10, 22)) + first.tokens + [7], 5)

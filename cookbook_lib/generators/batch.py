@@ -5,6 +5,13 @@ thread. Every row is left-padded: its real tokens end at the last column, the 2D
 hides the padding, and each row's position ids count only its real tokens, so a row computes
 what it would compute alone (up to float rounding of differently shaped matmuls).
 
+Prefix reuse: a request admitted with a ``CachedPrefix`` starts from that prefix's keys and values
+and feeds only the rest of its prompt. Such a row is laid out ``[padding, prefix, padding, rest]``:
+the mask has a hole between the two parts (each part is left-padded to the longest of its kind in
+the prefill), which attention never sees, and position ids count real tokens only, so the row still
+computes what it would compute alone. With ``keep_finished_kv``, a finishing row's real columns are
+copied out into ``Row.prefix`` for the generator to keep.
+
 Shape suffixes: ``_B`` one entry per row, ``_L`` one per column of the padded sequence.
 """
 
@@ -19,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from cookbook_lib.generators import kv_cache
 from cookbook_lib.generators.base import FinishReason, SampleResult, SamplingParams
+from cookbook_lib.generators.prefix_cache import CachedPrefix
 from cookbook_lib.generators.sampling import RowSampling, choose_tokens
 
 
@@ -46,6 +54,10 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # False once the weights changed while the row was in flight: its keys and values then mix two
+    # versions, and a prefix built from them would not match a forward pass under either.
+    reusable: bool = True
+    prefix: CachedPrefix | None = None  # its keys and values when it finished (keep_finished_kv)
 
     def append(self, token: int, logprob: float, version: int) -> None:
         self.tokens.append(token)
@@ -66,12 +78,24 @@ class Row:
 
 
 class DecodeBatch:
-    """Rows decoding together, sharing one KV cache; one model forward per ``step``."""
+    """Rows decoding together, sharing one KV cache; one model forward per ``step``.
 
-    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, device: torch.device) -> None:
+    With ``keep_finished_kv``, every reusable row that finishes carries its keys and values out in
+    ``Row.prefix`` (a copy per row, so prefix reuse costs a copy of each finished row's cache).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        pad_token_id: int,
+        device: torch.device,
+        keep_finished_kv: bool = False,
+    ) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = device
+        self.keep_finished_kv = keep_finished_kv
         self.rows: list[Row] = []
         self._cache: DynamicCache | None = None
         self._mask_BL = torch.zeros(0, 0, dtype=torch.long, device=device)
@@ -91,21 +115,29 @@ class DecodeBatch:
     def columns(self) -> int:
         return self._mask_BL.shape[1]
 
-    def admit(self, requests: list[Request], version: int) -> list[Row]:
+    def admit(
+        self, requests: list[Request], version: int, prefixes: list[CachedPrefix | None] | None = None
+    ) -> list[Row]:
         """Prefill ``requests`` in one forward, sample their first token, merge them into the batch.
 
+        ``prefixes[i]``, when given, holds the keys and values of the first ``len(prefixes[i])``
+        tokens of request ``i``'s prompt (a proper prefix of it); only the tokens after it are fed.
         Returns the rows that finished on their first token (they never join the batch).
         """
-        lengths = [len(request.prompt_tokens) for request in requests]
-        width = max(lengths)
+        known = prefixes if prefixes is not None else [None] * len(requests)
+        past = [len(prefix) if prefix is not None else 0 for prefix in known]
+        suffixes = [request.prompt_tokens[p:] for request, p in zip(requests, past, strict=True)]
+        width_past, width = max(past), max(map(len, suffixes))
         ids_BL = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        mask_BL = torch.zeros(len(requests), width, dtype=torch.long)
-        for i, request in enumerate(requests):
-            ids_BL[i, width - lengths[i] :] = torch.tensor(request.prompt_tokens)
-            mask_BL[i, width - lengths[i] :] = 1
+        mask_BL = torch.zeros(len(requests), width_past + width, dtype=torch.long)
+        for i, suffix in enumerate(suffixes):
+            ids_BL[i, width - len(suffix) :] = torch.tensor(suffix)
+            mask_BL[i, width_past - past[i] : width_past] = 1
+            mask_BL[i, width_past + width - len(suffix) :] = 1
         ids_BL, mask_BL = ids_BL.to(self.device), mask_BL.to(self.device)
-        positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
-        cache = kv_cache.new_cache(self.model)
+        # Each fed token's position is the number of real tokens before it, prefix included.
+        positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)[:, width_past:]
+        cache = self._past_cache(known) if width_past else kv_cache.new_cache(self.model)
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         output = self.model(
             input_ids=ids_BL,
@@ -115,8 +147,9 @@ class DecodeBatch:
             use_cache=True,
             **extra,
         )
-        rows = [Row(request, position=length - 1) for request, length in zip(requests, lengths, strict=True)]
+        rows = [Row(request, position=len(request.prompt_tokens) - 1) for request in requests]
         tokens_B = self._sample(rows, output.logits[:, -1], version)
+        self._keep_kv(rows, cache, mask_BL)
 
         live = [i for i, row in enumerate(rows) if row.finish_reason is None]
         if live:
@@ -141,6 +174,7 @@ class DecodeBatch:
         )
         self._mask_BL = mask_BL
         self._last_tokens_B = self._sample(self.rows, output.logits[:, -1], version)
+        self._keep_kv(self.rows, self._cache, self._mask_BL)
         return self.remove([i for i, row in enumerate(self.rows) if row.finish_reason is not None])
 
     def remove(self, indices: list[int]) -> list[Row]:
@@ -168,6 +202,29 @@ class DecodeBatch:
         self._mask_BL = self._mask_BL[:0, :0]
         self._last_tokens_B = self._last_tokens_B[:0]
         return removed
+
+    def _past_cache(self, prefixes: list[CachedPrefix | None]) -> DynamicCache:
+        """The prefixes' keys and values stacked into one cache (a row without one gets none)."""
+        first = next(prefix for prefix in prefixes if prefix is not None)
+        empty = [(keys[:, :, :0], values[:, :, :0]) for keys, values in first.layers]
+        return kv_cache.stack_rows(
+            self.model, [prefix.layers if prefix is not None else empty for prefix in prefixes]
+        )
+
+    def _keep_kv(self, rows: list[Row], cache: DynamicCache, mask_BL: torch.Tensor) -> None:
+        """Copy out the keys and values of the rows that just finished, if they are to be kept.
+
+        A row's cache covers its prompt and all its sampled tokens but the last (never fed).
+        """
+        if not self.keep_finished_kv:
+            return
+        for i, row in enumerate(rows):
+            if row.finish_reason is not None and row.reusable and not row.request.cancelled:
+                tokens = (*row.request.prompt_tokens, *row.tokens[:-1])
+                columns = mask_BL[i].nonzero().squeeze(1)
+                if columns.numel() != len(tokens):
+                    raise RuntimeError(f"row cache holds {columns.numel()} tokens, expected {len(tokens)}")
+                row.prefix = CachedPrefix(tokens, kv_cache.extract_row(cache, i, columns))
 
     def _sample(self, rows: list[Row], logits_BV: torch.Tensor, version: int) -> torch.Tensor:
         params = [row.request.params for row in rows]

@@ -7,6 +7,9 @@ batching), then run one batched decode step over every live row with the KV cach
 the batch as soon as they finish, so no compute is spent on them. torch releases the GIL while
 it computes, so the event loop keeps stepping environments meanwhile.
 
+Prefix reuse (``prefix_cache.py``): the next turn of an episode starts from the KV cache that its
+previous turn left, and prefills only its new tokens.
+
 Why our own scheduler and not transformers' ``generate_batch``: measured on 2 CPU cores
 (``bench/bench_generator.py``), it was slower than even one plain padded ``generate``, and it
 cannot take new requests from concurrent asyncio callers or swap weights mid-flight.
@@ -15,17 +18,16 @@ cannot take new requests from concurrent asyncio callers or swap weights mid-fli
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from cookbook_lib.generators import kv_cache
 from cookbook_lib.generators.base import (
     Generator,
     GeneratorClosedError,
@@ -34,17 +36,11 @@ from cookbook_lib.generators.base import (
     validate_prompt,
 )
 from cookbook_lib.generators.batch import DecodeBatch, Request, Row
+from cookbook_lib.generators.handoff import WeightUpdate, check_state_dict, deliver
+from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _WeightUpdate:
-    state_dict: Mapping[str, torch.Tensor]
-    version: int
-    future: asyncio.Future[None]
-    loop: asyncio.AbstractEventLoop
 
 
 class HFGenerator(Generator):
@@ -60,6 +56,15 @@ class HFGenerator(Generator):
             mid-batch start as the next batch once the running one ends.
         step_callback: called on the worker thread after every forward with a ``StepInfo``;
             it must be quick. Errors in it are logged, never raised.
+        prefix_cache_entries: the most finished samples whose KV cache is kept for prefix reuse
+            (0 turns reuse off; it is off anyway for models with sliding-window or stateful
+            layers). Results are the same with or without it, up to float rounding.
+        prefix_cache_tokens: optionally, the most tokens kept over all those samples (memory is
+            ``2 * layers * kv_heads * head_dim * element bytes`` per token).
+
+    Kept prefixes hold keys and values of the current weights: ``update_weights`` drops them all,
+    and samples in flight during an update are not kept (their caches mix two versions). To change
+    ``model``'s weights in place instead, build the generator with ``prefix_cache_entries=0``.
     """
 
     def __init__(
@@ -71,6 +76,8 @@ class HFGenerator(Generator):
         device: str | torch.device | None = None,
         continuous_batching: bool = True,
         step_callback: Callable[[StepInfo], None] | None = None,
+        prefix_cache_entries: int = 64,
+        prefix_cache_tokens: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -86,12 +93,16 @@ class HFGenerator(Generator):
             output_embeddings.weight.shape[0] if output_embeddings is not None else model.config.vocab_size
         )
         self._step_callback = step_callback
-        self._batch = DecodeBatch(model, pad_token_id=pad_token_id, device=self.device)
+        self._prefixes = PrefixCache(prefix_cache_entries, prefix_cache_tokens)  # worker thread only
+        if not kv_cache.supports_reuse(model):
+            self._prefixes.max_entries = 0
+        keep = self._prefixes.max_entries > 0
+        self._batch = DecodeBatch(model, pad_token_id=pad_token_id, device=self.device, keep_finished_kv=keep)
         self._version = 0
         # Everything below is shared between the event loop and the worker, guarded by _wake.
         self._wake = threading.Condition()
         self._queue: deque[Request] = deque()
-        self._weight_updates: deque[_WeightUpdate] = deque()
+        self._weight_updates: deque[WeightUpdate] = deque()
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -108,6 +119,11 @@ class HFGenerator(Generator):
     def num_running(self) -> int:
         """Requests being decoded now."""
         return len(self._batch)
+
+    @property
+    def num_cached_prefixes(self) -> int:
+        """Finished samples whose KV cache is kept for prefix reuse."""
+        return len(self._prefixes)
 
     async def sample(self, prompt_tokens: list[int], params: SamplingParams) -> SampleResult:
         validate_prompt(prompt_tokens, self._vocab_size)
@@ -129,13 +145,21 @@ class HFGenerator(Generator):
             raise
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self._check_weights(state_dict)
+        check_state_dict(self.model, state_dict)  # in the caller, before the worker touches the model
         loop = asyncio.get_running_loop()
-        update = _WeightUpdate(state_dict, version, loop.create_future(), loop)
+        update = WeightUpdate(state_dict, version, loop.create_future(), loop)
         self._submit(self._weight_updates, update)
         await update.future
 
     async def close(self) -> None:
+        self._shut(GeneratorClosedError("the generator was closed"))
+        if self._thread is not None:
+            # The worker finishes its current forward, fails its rows, and exits.
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def _shut(self, error: GeneratorClosedError) -> None:
+        """Refuse new work and fail what waits in the queues (not the running rows) with ``error``."""
         with self._wake:
             self._closed = True
             waiting = [*self._queue, *self._weight_updates]
@@ -143,13 +167,9 @@ class HFGenerator(Generator):
             self._weight_updates.clear()
             self._wake.notify_all()
         for item in waiting:
-            _deliver(item.future, item.loop, GeneratorClosedError("the generator was closed"))
-        if self._thread is not None:
-            # The worker finishes its current forward, fails its rows, and exits.
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+            deliver(item.future, item.loop, error)
 
-    def _submit(self, queue: deque, item: Request | _WeightUpdate) -> None:
+    def _submit(self, queue: deque, item: Request | WeightUpdate) -> None:
         with self._wake:
             if self._closed:
                 raise GeneratorClosedError("the generator is closed")
@@ -159,18 +179,6 @@ class HFGenerator(Generator):
                 self._thread = threading.Thread(target=self._work, name="HFGenerator", daemon=True)
                 self._thread.start()
             self._wake.notify()
-
-    def _check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Reject a bad state dict in the caller, before the worker touches the model."""
-        own = self.model.state_dict()
-        unknown = sorted(set(state_dict) - set(own))
-        if unknown:
-            raise ValueError(f"update_weights got names the model does not have: {unknown[:5]}")
-        for name, tensor in state_dict.items():
-            if tensor.shape != own[name].shape:
-                raise ValueError(
-                    f"update_weights: {name} has shape {tuple(tensor.shape)}, model has {own[name].shape}"
-                )
 
     # ---- the worker thread -------------------------------------------------------------------
 
@@ -198,18 +206,11 @@ class HFGenerator(Generator):
                     self._decode()
         except BaseException as exc:  # a bug, not a model error: fail everything rather than hang callers
             logger.exception("HFGenerator worker crashed")
-            with self._wake:
-                self._closed = True
-                waiting = [*self._queue, *self._weight_updates]
-                self._queue.clear()
-                self._weight_updates.clear()
-            for item in waiting:
-                _deliver(
-                    item.future, item.loop, GeneratorClosedError(f"the generator worker crashed: {exc!r}")
-                )
+            self._shut(GeneratorClosedError(f"the generator worker crashed: {exc!r}"))
         finally:
+            self._prefixes.clear()  # nothing outlives the worker: close() frees every kept cache
             for row in self._batch.clear():
-                _deliver(
+                deliver(
                     row.request.future, row.request.loop, GeneratorClosedError("the generator was closed")
                 )
 
@@ -227,27 +228,43 @@ class HFGenerator(Generator):
                 taken.append(request)
         return taken
 
-    def _apply_weights(self, update: _WeightUpdate) -> None:
+    def _apply_weights(self, update: WeightUpdate) -> None:
+        # Kept prefixes were computed by the old weights. Dropped on every update, even one that
+        # keeps the version number: the weights may still have changed (say, a resumed run).
+        self._prefixes.clear()
+        for row in self._batch.rows:
+            row.reusable = False
         try:
             own = self.model.state_dict()  # tensors sharing storage with the parameters
             with torch.no_grad():
                 for name, tensor in update.state_dict.items():
                     own[name].copy_(tensor)
             self._version = update.version
-            _deliver(update.future, update.loop, None)
+            deliver(update.future, update.loop, None)
         except Exception as exc:
-            _deliver(update.future, update.loop, exc)
+            deliver(update.future, update.loop, exc)
 
     def _prefill(self, requests: list[Request]) -> None:
+        found = [self._prefixes.take(request.prompt_tokens) for request in requests]
+        # Reusing requests feed a few tokens, the others whole prompts: prefilled together, the
+        # short ones would be padded to the long ones, so each kind gets its own forward.
+        for reusing in (False, True):
+            group = [(r, p) for r, p in zip(requests, found, strict=True) if (p is not None) == reusing]
+            if group:
+                self._prefill_group([r for r, _ in group], [p for _, p in group])
+
+    def _prefill_group(self, requests: list[Request], prefixes: list[CachedPrefix | None]) -> None:
         start = time.perf_counter()
+        reused = sum(len(prefix) for prefix in prefixes if prefix is not None)
         try:
             with torch.inference_mode():
-                finished = self._batch.admit(requests, self._version)
+                finished = self._batch.admit(requests, self._version, prefixes)
         except Exception as exc:  # e.g. out of memory: these requests fail, the running batch goes on
             for request in requests:
-                _deliver(request.future, request.loop, exc)
+                deliver(request.future, request.loop, exc)
             return
-        self._record("prefill", len(requests), start)
+        fed = sum(len(request.prompt_tokens) for request in requests) - reused
+        self._record("prefill", len(requests), start, fed, reused)
         self._retire(finished)
 
     def _decode(self) -> None:
@@ -257,13 +274,13 @@ class HFGenerator(Generator):
                 finished = self._batch.step(self._version)
         except Exception as exc:  # the cache may be half-updated: fail the whole batch
             for row in self._batch.clear():
-                _deliver(row.request.future, row.request.loop, exc)
+                deliver(row.request.future, row.request.loop, exc)
             return
         self._record("decode", rows, start)
         self._retire(finished)
 
-    def _record(self, kind: StepKind, rows: int, start: float) -> None:
-        step = StepInfo(kind, rows, start, time.perf_counter(), self._version)
+    def _record(self, kind: StepKind, rows: int, start: float, fed: int = 0, reused: int = 0) -> None:
+        step = StepInfo(kind, rows, start, time.perf_counter(), self._version, fed, reused)
         self.stats.record(step)
         if self._step_callback is not None:
             try:
@@ -273,21 +290,8 @@ class HFGenerator(Generator):
 
     def _retire(self, rows: list[Row]) -> None:
         for row in rows:
+            if row.prefix is not None:  # kept before the caller hears back and sends its next turn
+                self._prefixes.put(row.prefix)
+                row.prefix = None
             if not row.request.cancelled:
-                _deliver(row.request.future, row.request.loop, row.result())
-
-
-def _deliver(future: asyncio.Future, loop: asyncio.AbstractEventLoop, outcome: object) -> None:
-    """Resolve ``future`` from the worker thread, on its own event loop (if that loop still runs)."""
-
-    def resolve() -> None:
-        if future.done():  # cancelled by its caller meanwhile
-            return
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-
-    # A closed loop raises RuntimeError: nobody is waiting any more.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(resolve)
+                deliver(row.request.future, row.request.loop, row.result())

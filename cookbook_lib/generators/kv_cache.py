@@ -7,7 +7,9 @@ removing them never changes what a row attends to.
 
 Only plain full-attention layers (``DynamicLayer``) can be padded, merged and trimmed this way;
 sliding-window and linear-attention layers keep extra state. ``supports_merging`` tells which
-caches qualify; the others still batch, but new requests wait for the running batch to end.
+caches qualify; the others still batch, but new requests wait for the running batch to end. The
+same layers are the only ones whose rows can be copied out and stacked back for prefix reuse
+(``extract_row``, ``stack_rows``; ``supports_reuse`` tells whether a model's caches qualify).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+# One layer's (keys, values) for one row, each ``[1, kv_heads, tokens, head_dim]``, no padding.
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
     return DynamicCache(config=model.config)
@@ -23,6 +28,12 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 
 def supports_merging(cache: DynamicCache) -> bool:
     return all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+
+
+def supports_reuse(model: PreTrainedModel) -> bool:
+    """Whether every layer of the model's cache is a plain ``DynamicLayer`` (no window, no state)."""
+    layers = new_cache(model).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
@@ -67,3 +78,32 @@ def drop_leading_columns(cache: DynamicCache, columns: int) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys[:, :, columns:]
         layer.values = layer.values[:, :, columns:]
+
+
+def extract_row(cache: DynamicCache, row: int, columns: torch.Tensor) -> list[LayerKV]:
+    """Copy the keys and values of one row at ``columns`` (its real ones), one entry per layer.
+
+    A copy, not a view: a view would keep the whole batch's cache tensors alive.
+    """
+    return [
+        (
+            layer.keys[row : row + 1].index_select(2, columns),
+            layer.values[row : row + 1].index_select(2, columns),
+        )
+        for layer in cache.layers
+    ]
+
+
+def stack_rows(model: PreTrainedModel, rows: list[list[LayerKV]]) -> DynamicCache:
+    """A new cache holding ``rows`` one under the other, each right-aligned (left-padded with zeros).
+
+    The caller's attention mask must mark, for row ``i``, its last ``tokens_i`` columns as real.
+    """
+    cache = new_cache(model)
+    width = max(row[0][0].shape[2] for row in rows)
+    for index, layer in enumerate(cache.layers):
+        keys = torch.cat([_left_pad(row[index][0], width - row[index][0].shape[2]) for row in rows])
+        values = torch.cat([_left_pad(row[index][1], width - row[index][1].shape[2]) for row in rows])
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values  # not update(): it would copy them once more
+    return cache

@@ -21,6 +21,10 @@ class StepInfo:
     start_s: float  # time.perf_counter() clock
     end_s: float
     policy_version: int
+    # Prefill only: prompt tokens fed to the model, and prompt tokens whose keys and values came
+    # from a kept prefix instead (prefill work saved by prefix reuse).
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
 
 
 @dataclass
@@ -34,6 +38,8 @@ class GeneratorStats:
     max_rows: int = 0
     tokens_sampled: int = 0
     busy_s: float = 0.0  # time spent in forward passes and sampling
+    prefill_tokens: int = 0  # prompt tokens fed to the model
+    reused_tokens: int = 0  # prompt tokens not fed, their keys and values reused from a finished sample
 
     @property
     def mean_decode_batch(self) -> float:
@@ -48,6 +54,8 @@ class GeneratorStats:
         self.busy_s += step.end_s - step.start_s
         if step.kind == "prefill":
             self.prefill_calls += 1
+            self.prefill_tokens += step.prefill_tokens
+            self.reused_tokens += step.reused_tokens
         else:
             self.decode_steps += 1
             self.rows_decoded += step.rows
