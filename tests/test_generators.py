@@ -268,6 +268,40 @@ def test_a_seed_gives_the_same_sample_alone_and_in_any_batch(model, prompts):
     assert alone.tokens == in_batch.tokens
 
 
+def test_identical_prompts_are_prefilled_once_and_sampled_independently(model, prompts):
+    """A GRPO group's episodes share their first prompt: one prefill row serves all of them."""
+    prefill_rows: list[int] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:  # a prefill, not a one-token decode step
+            prefill_rows.append(ids.shape[0])
+        return forward(*args, **kwargs)
+
+    seeded = [SamplingParams(temperature=1.0, max_tokens=8, seed=seed) for seed in range(6)]
+
+    async def main():
+        async with HFGenerator(model, pad_token_id=2, prefix_cache_entries=0) as generator:
+            alone = [await generator.sample(prompts[1], params) for params in seeded]
+            model.forward = spy
+            try:
+                together = await asyncio.gather(*(generator.sample(prompts[1], p) for p in seeded))
+            finally:
+                model.forward = forward
+            return alone, together
+
+    alone, together = run(main())
+    assert prefill_rows and max(prefill_rows) == 1  # six requests, one row prefilled
+    # Each copy samples with its own stream: the same tokens as alone, and not all alike.
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert len({tuple(r.tokens) for r in together}) > 1
+    for result in together:
+        table = forward_logprobs(model, prompts[1], result.tokens)
+        expected = table.gather(1, torch.tensor(result.tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(result.logprobs, dtype=expected.dtype), expected, atol=1e-4)
+
+
 # ---- stopping ------------------------------------------------------------------------------
 
 

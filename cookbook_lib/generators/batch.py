@@ -126,10 +126,17 @@ class DecodeBatch:
         """
         known = prefixes if prefixes is not None else [None] * len(requests)
         past = [len(prefix) if prefix is not None else 0 for prefix in known]
-        suffixes = [request.prompt_tokens[p:] for request, p in zip(requests, past, strict=True)]
+        # Identical fresh prompts (the episodes of a GRPO group all start from the task's prompt)
+        # are prefilled once; their rows are copied afterwards and sampled independently.
+        owner_B = list(range(len(requests)))
+        if not any(past):
+            first_of: dict[tuple[int, ...], int] = {}
+            owner_B = [first_of.setdefault(tuple(r.prompt_tokens), len(first_of)) for r in requests]
+        fed = [requests[owner_B.index(u)] for u in range(max(owner_B) + 1)]
+        suffixes = [request.prompt_tokens[p:] for request, p in zip(fed, past, strict=False)]
         width_past, width = max(past), max(map(len, suffixes))
-        ids_BL = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        mask_BL = torch.zeros(len(requests), width_past + width, dtype=torch.long)
+        ids_BL = torch.full((len(fed), width), self.pad_token_id, dtype=torch.long)
+        mask_BL = torch.zeros(len(fed), width_past + width, dtype=torch.long)
         for i, suffix in enumerate(suffixes):
             ids_BL[i, width - len(suffix) :] = torch.tensor(suffix)
             mask_BL[i, width_past - past[i] : width_past] = 1
@@ -147,8 +154,13 @@ class DecodeBatch:
             use_cache=True,
             **extra,
         )
+        logits_BV = output.logits[:, -1]
+        if len(fed) < len(requests):
+            expand_B = torch.tensor(owner_B, device=self.device)
+            kv_cache.select_rows(cache, expand_B)
+            mask_BL, logits_BV = mask_BL[expand_B], logits_BV[expand_B]
         rows = [Row(request, position=len(request.prompt_tokens) - 1) for request in requests]
-        tokens_B = self._sample(rows, output.logits[:, -1], version)
+        tokens_B = self._sample(rows, logits_BV, version)
         self._keep_kv(rows, cache, mask_BL)
 
         live = [i for i, row in enumerate(rows) if row.finish_reason is None]
