@@ -349,6 +349,7 @@ def main() -> None:
     args.max_turns = args.max_turns or (2 if quick else 4)
     args.repeats = args.repeats or (1 if quick else 2)
 
+    code = code_version()  # now, before the run: the tree may change while it runs
     model, tokenizer = load_model(), load_tokenizer()
     codec, pad = make_codec(tokenizer), tokenizer.pad_token_id
     task = load_tool_use_game_tasks("train")[0]
@@ -392,7 +393,7 @@ def main() -> None:
     if args.out is not None:
         report = {
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "code": code_version(),
+            "code": code,
             "machine": {
                 "cpus": os.cpu_count(),
                 "torch_threads": torch.get_num_threads(),

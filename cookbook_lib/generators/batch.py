@@ -133,7 +133,9 @@ class DecodeBatch:
             first_of: dict[tuple[int, ...], int] = {}
             owner_B = [first_of.setdefault(tuple(r.prompt_tokens), len(first_of)) for r in requests]
         fed = [requests[owner_B.index(u)] for u in range(max(owner_B) + 1)]
-        suffixes = [request.prompt_tokens[p:] for request, p in zip(fed, past, strict=False)]
+        if len(fed) < len(requests):
+            past = [0] * len(fed)  # only fresh prompts are shared, so nothing precedes them
+        suffixes = [request.prompt_tokens[p:] for request, p in zip(fed, past, strict=True)]
         width_past, width = max(past), max(map(len, suffixes))
         ids_BL = torch.full((len(fed), width), self.pad_token_id, dtype=torch.long)
         mask_BL = torch.zeros(len(fed), width_past + width, dtype=torch.long)
