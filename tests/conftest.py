@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -20,3 +21,28 @@ def tiny_model_and_tokenizer():
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_and_tokenizer):
     return tiny_model_and_tokenizer[1]
+
+
+def _sharpen(model, seed: int):
+    """A copy of ``model`` with larger random weights: peaked next-token distributions, as a
+    trained model has, so sampling tests see likely and unlikely tokens, not a uniform spread."""
+    import torch
+
+    model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def sharpen():
+    """``sharpen(model, seed)``, for tests that need more such models."""
+    return _sharpen
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model_and_tokenizer):
+    return _sharpen(tiny_model_and_tokenizer[0], seed=1)

@@ -27,19 +27,9 @@ from cookbook_lib.generators.sampling import RowSampling, choose_tokens
 TIMEOUT_S = 120  # only a guard against hangs; no test asserts how long anything takes
 
 
-def _sharpen(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    model = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
-def model(tiny_model_and_tokenizer):
-    return _sharpen(tiny_model_and_tokenizer[0], seed=1)
+def model(sharp_model):
+    return sharp_model
 
 
 @pytest.fixture(scope="module")
@@ -389,9 +379,9 @@ def test_cancelling_a_request_drops_it_and_the_others_go_on(model, prompts):
 # ---- weights and shutdown ------------------------------------------------------------------
 
 
-def test_update_weights_mid_flight_changes_versions_within_one_sample(model, prompts):
+def test_update_weights_mid_flight_changes_versions_within_one_sample(model, prompts, sharpen):
     old_model = copy.deepcopy(model)
-    new_model = _sharpen(model, seed=2)
+    new_model = sharpen(model, seed=2)
     reached, submitted = threading.Event(), threading.Event()
 
     def hold_at_step_five(info: StepInfo) -> None:
@@ -603,8 +593,8 @@ def test_prompts_that_extend_no_kept_sequence_are_prefilled_whole(model, prompts
     assert extended.tokens == generate_alone(model, prompts[1] + first.tokens, 6)
 
 
-def test_update_weights_drops_kept_prefixes_and_a_sample_spanning_it_is_not_kept(model, prompts):
-    new_model = _sharpen(model, seed=2)
+def test_update_weights_drops_kept_prefixes_and_a_sample_spanning_it_is_not_kept(model, prompts, sharpen):
+    new_model = sharpen(model, seed=2)
     params = SamplingParams(temperature=0, max_tokens=6)
     reached, submitted = threading.Event(), threading.Event()
     hold_at: list[int] = []  # the decode step to hold at, set once the first sample is done
@@ -695,7 +685,7 @@ def test_the_generator_keeps_at_most_its_bound_and_frees_everything_on_close(mod
     assert run(main(0))[0] == 0
 
 
-def test_a_sliding_window_model_samples_without_prefix_reuse():
+def test_a_sliding_window_model_samples_without_prefix_reuse(sharpen):
     """Sliding-window layers keep only their last keys: a kept row could not be stacked back."""
     from transformers import AutoModelForCausalLM, MistralConfig
 
@@ -709,7 +699,7 @@ def test_a_sliding_window_model_samples_without_prefix_reuse():
         sliding_window=8,
     )
     torch.manual_seed(0)
-    model = _sharpen(AutoModelForCausalLM.from_config(config), seed=3)
+    model = sharpen(AutoModelForCausalLM.from_config(config), seed=3)
     params = SamplingParams(temperature=0, max_tokens=5)
 
     async def main():

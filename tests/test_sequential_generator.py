@@ -8,7 +8,6 @@ larger spread so that greedy paths do not just repeat one token.
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
 import torch
@@ -20,14 +19,8 @@ TIMEOUT_S = 120  # a guard against hangs only
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_and_tokenizer):
-    model = copy.deepcopy(tiny_model_and_tokenizer[0])
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return model.eval()
+def model(sharp_model):
+    return sharp_model
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from cookbook_lib.generators.base import (
     SamplingParams,
     validate_prompt,
 )
+from cookbook_lib.generators.handoff import check_state_dict
 
 
 @dataclass(eq=False)
@@ -83,15 +84,8 @@ class SequentialHFGenerator(Generator):
         return result
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        check_state_dict(self.model, state_dict)
         own = self.model.state_dict()  # tensors sharing storage with the parameters
-        unknown = sorted(set(state_dict) - set(own))
-        if unknown:
-            raise ValueError(f"update_weights got names the model does not have: {unknown[:5]}")
-        for name, tensor in state_dict.items():
-            if tensor.shape != own[name].shape:
-                raise ValueError(
-                    f"update_weights: {name} has shape {tuple(tensor.shape)}, model has {own[name].shape}"
-                )
 
         def load() -> None:
             with self._model_lock, torch.no_grad():
