@@ -171,18 +171,23 @@ async def run_group(
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
-    async with asyncio.TaskGroup() as group:
-        tasks = [
-            group.create_task(
-                run_episode(
-                    env_factory,
-                    task,
-                    policy_factory(),
-                    max_turns=max_turns,
-                    on_env_error=on_env_error,
-                    failed_parse_reward=failed_parse_reward,
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(
+                    run_episode(
+                        env_factory,
+                        task,
+                        policy_factory(),
+                        max_turns=max_turns,
+                        on_env_error=on_env_error,
+                        failed_parse_reward=failed_parse_reward,
+                    )
                 )
-            )
-            for _ in range(group_size)
-        ]
+                for _ in range(group_size)
+            ]
+    except BaseExceptionGroup as errors:
+        # Callers see the episode's own error (an EpisodeError, a policy bug), not a wrapper; the
+        # others, if any, are chained under it.
+        raise errors.exceptions[0] from errors
     return [t.result() for t in tasks]

@@ -421,6 +421,39 @@ def test_update_weights_mid_flight_changes_versions_within_one_sample(model, pro
     assert not torch.allclose(old_only[6:], expected[6:], atol=1e-2)
 
 
+def test_update_between_requests_lets_running_samples_finish_and_holds_new_ones(model, prompts, sharpen):
+    new_model = sharpen(model, seed=2)
+    reached, submitted = threading.Event(), threading.Event()
+
+    def hold_at_step_three(info: StepInfo) -> None:
+        if info.kind == "decode" and generator.stats.decode_steps == 3:
+            reached.set()
+            submitted.wait(TIMEOUT_S)
+
+    async def main():
+        running = asyncio.create_task(generator.sample(prompts[1], SamplingParams(max_tokens=10, seed=0)))
+        await asyncio.to_thread(reached.wait, TIMEOUT_S)
+        update = asyncio.create_task(
+            generator.update_weights(new_model.state_dict(), version=3, between_requests=True)
+        )
+        while not generator._weight_updates:
+            await asyncio.sleep(0.001)
+        # Arrives while the update waits: it must not start under the old weights.
+        later = asyncio.create_task(generator.sample(prompts[0], SamplingParams(max_tokens=4, seed=1)))
+        while not generator._queue:
+            await asyncio.sleep(0.001)
+        submitted.set()
+        await update
+        results = await running, await later
+        await generator.close()
+        return results
+
+    generator = HFGenerator(copy.deepcopy(model), pad_token_id=2, step_callback=hold_at_step_three)
+    first, second = run(main())
+    assert first.policy_versions == [0] * 10  # finished under the weights it started with
+    assert second.policy_versions == [3] * 4  # started only once the new weights were in
+
+
 def test_close_fails_pending_and_running_requests_and_stops_the_thread(model, prompts):
     endless = SamplingParams(max_tokens=100_000, stop_token_ids=[])
 

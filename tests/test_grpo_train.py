@@ -101,8 +101,8 @@ def test_bad_config_fails_before_any_model_loads(tiny_model_dir, tmp_path, monke
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(ConfigError, match="WANDB_MODE=offline"):
         run_single_turn(tiny_config(tiny_model_dir, tmp_path, wandb_project="p"))
-    with pytest.raises(ConfigError, match="async GRPO"):
-        run_single_turn(tiny_config(tiny_model_dir, tmp_path, max_steps_off_policy=1))
+    with pytest.raises(ConfigError, match="set max_steps_off_policy"):
+        run_single_turn(tiny_config(tiny_model_dir, tmp_path, weight_sync_type="WEIGHT_SYNC_TYPE_PIPELINE"))
     with pytest.raises(ValueError, match="at least one task"):
         train_multi_turn(tiny_config(tiny_model_dir, tmp_path), tasks=[], env_factory=lambda t: None)
 

@@ -39,7 +39,9 @@ class ScriptedGenerator(Generator):
         stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
         return SampleResult(tokens, [-0.5] * len(tokens), "stop" if stopped else "length", [0] * len(tokens))
 
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    async def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, between_requests: bool = False
+    ) -> None:
         raise NotImplementedError
 
     @property

@@ -8,11 +8,10 @@ can sit behind it without callers changing.
 Weight updates and in-flight samples: ``update_weights`` takes effect between two decode steps.
 A sample already in flight keeps going under the new weights, and its ``policy_versions`` record,
 token by token, which version produced each token. That is what the PIPELINE weight-sync mode
-needs. (The KV cache that the old weights wrote for the earlier tokens is kept, as in vLLM and
-AReaL: tokens after the switch are sampled by the new weights reading the old weights' keys and
+needs, and the default. (The KV cache that the old weights wrote for the earlier tokens is kept,
+as in vLLM and AReaL: tokens after the switch are sampled by the new weights reading the old weights' keys and
 values; their recorded log-probs are exactly that distribution.) A caller that wants whole samples
-under one version (SYNCHRONOUS, BACKGROUND_PUBLISH) waits for its in-flight samples before
-calling ``update_weights``.
+under one version (SYNCHRONOUS, BACKGROUND_PUBLISH) passes ``between_requests=True``.
 """
 
 from __future__ import annotations
@@ -107,9 +106,14 @@ class Generator(abc.ABC):
         """Sample one completion of ``prompt_tokens``. Cancelling the awaiting task drops the request."""
 
     @abc.abstractmethod
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    async def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, between_requests: bool = False
+    ) -> None:
         """Load new weights, tagged ``version``; returns once tokens are being sampled with them.
 
+        By default the weights change between two decode steps, under samples in flight (the
+        PIPELINE mode). ``between_requests=True`` waits instead until the samples in flight have
+        finished, starting no new one meanwhile, so every sample has one version throughout.
         The caller must not modify the tensors until this returns (they may be read meanwhile).
         """
 

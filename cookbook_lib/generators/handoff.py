@@ -25,6 +25,7 @@ class WeightUpdate:
     version: int
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
+    between_requests: bool = False
 
 
 def deliver(future: asyncio.Future, loop: asyncio.AbstractEventLoop, outcome: object) -> None:

@@ -144,10 +144,12 @@ class HFGenerator(Generator):
                     self._queue.remove(request)
             raise
 
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    async def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, between_requests: bool = False
+    ) -> None:
         check_state_dict(self.model, state_dict)  # in the caller, before the worker touches the model
         loop = asyncio.get_running_loop()
-        update = WeightUpdate(state_dict, version, loop.create_future(), loop)
+        update = WeightUpdate(state_dict, version, loop.create_future(), loop, between_requests)
         self._submit(self._weight_updates, update)
         await update.future
 
@@ -190,9 +192,14 @@ class HFGenerator(Generator):
                         self._wake.wait()
                     if self._closed:
                         return
-                    updates = list(self._weight_updates)
-                    self._weight_updates.clear()
-                    admitted = self._take_admissible()
+                    if self._batch.rows and any(u.between_requests for u in self._weight_updates):
+                        # Drain: the running samples finish under the old weights and nothing new
+                        # starts until the update is in; then every sample has a single version.
+                        updates, admitted = [], []
+                    else:
+                        updates = list(self._weight_updates)
+                        self._weight_updates.clear()
+                        admitted = self._take_admissible()
                 # Weights change only here, between two forwards: tokens sampled before this
                 # point carry the old version, tokens after it the new one.
                 for update in updates:

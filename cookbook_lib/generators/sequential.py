@@ -83,7 +83,10 @@ class SequentialHFGenerator(Generator):
             raise GeneratorClosedError("the generator was closed")
         return result
 
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    async def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor], version: int, *, between_requests: bool = False
+    ) -> None:
+        # One request at a time under the model lock: every update already lands between requests.
         check_state_dict(self.model, state_dict)
         own = self.model.state_dict()  # tensors sharing storage with the parameters
 

@@ -75,3 +75,25 @@ def group_advantages(rewards_G: Sequence[float], normalize_by_std: bool, eps: fl
         return centred_G
     std = math.sqrt(sum(c * c for c in centred_G) / len(centred_G))
     return [c / (std + eps) for c in centred_G]
+
+
+def group_has_signal(
+    group: Sequence[Episode],
+    *,
+    max_model_length: int,
+    overlong_buffer_tokens: int = 0,
+    overlong_penalty_factor: float = 0.0,
+    tol: float = 1e-6,
+) -> bool:
+    """Whether a group would train: two or more usable episodes whose shaped rewards differ.
+
+    The same rule ``build_samples`` applies; samplers use it to decide whether to draw more groups.
+    """
+    usable = [episode for episode in group if is_usable(episode)]
+    shaped = shaped_rewards(
+        usable,
+        max_model_length=max_model_length,
+        overlong_buffer_tokens=overlong_buffer_tokens,
+        overlong_penalty_factor=overlong_penalty_factor,
+    )
+    return not is_zero_variance(shaped, tol)

@@ -1,8 +1,8 @@
 """The lockstep GRPO step: sample groups, build samples, train, publish the new weights.
 
-Rollouts finish before training starts, so the generator idles while the trainer works and the
-other way round; the async loop (a later module) overlaps them. Both share everything here but
-the scheduling.
+Rollouts finish before training starts, so the generators idle while the trainer works and the
+other way round; the async loop (:mod:`.async_loop`) overlaps them. Both train through
+:func:`train_on_groups`; they differ only in how groups are scheduled.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 from cookbook_lib.codecs import Codec
 from cookbook_lib.envs.base import Task
 from cookbook_lib.episode import Episode
-from cookbook_lib.generators import Generator, SamplingParams
-from cookbook_lib.grpo.advantages import is_usable, is_zero_variance, shaped_rewards
+from cookbook_lib.generators import SamplingParams
+from cookbook_lib.grpo.advantages import group_has_signal
 from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.replicas import GeneratorReplicas
 from cookbook_lib.grpo.samples import build_samples
 from cookbook_lib.grpo.trainer import LossSettings, PolicyTrainer
 from cookbook_lib.metrics import episode_stats
 from cookbook_lib.model_policy import ModelPolicy
 from cookbook_lib.rollout import EnvFactory, run_group
+from cookbook_lib.timeline import TRAINER_LANE, TRAINING, WAITING, WEIGHT_SYNC, Timeline
 
 
 @dataclass
@@ -67,29 +69,29 @@ def tasks_for_step(
     return [rng.choice(list(tasks)) for _ in range(count)]
 
 
-def _has_signal(group: Sequence[Episode], config: GRPOConfig) -> bool:
-    usable = [episode for episode in group if is_usable(episode)]
-    shaped = shaped_rewards(
-        usable,
+def has_signal(group: Sequence[Episode], config: GRPOConfig) -> bool:
+    """Whether ``group`` would train under ``config`` (see ``advantages.group_has_signal``)."""
+    return group_has_signal(
+        group,
         max_model_length=config.max_model_length,
         overlong_buffer_tokens=config.overlong_buffer_tokens,
         overlong_penalty_factor=config.overlong_penalty_factor,
     )
-    return len(shaped) >= 2 and not is_zero_variance(shaped)
 
 
 async def collect_groups(
     config: GRPOConfig,
     tasks: Sequence[Task],
-    env_factory: EnvFactory,
-    policy_factory: Callable[[], ModelPolicy],
+    env_factory: Callable[[int], EnvFactory],
+    policy_factory: Callable[[int], Callable[[], ModelPolicy]],
     step: int,
 ) -> tuple[list[list[Episode]], int]:
     """Groups for one step: ``batch_size`` tasks, then up to ``max_sampling_attempts - 1`` more
     rounds for the groups that came back without signal (all rewards equal).
 
-    Returns every group sampled (zero-variance ones included, so the skip ratio counts them)
-    and the number of rounds used.
+    ``env_factory(i)`` and ``policy_factory(i)`` give the factories of the round's ``i``-th group
+    (with several generator replicas, groups are spread over them). Returns every group sampled (zero-variance
+    ones included, so the skip ratio counts them) and the number of rounds used.
     """
     groups: list[list[Episode]] = []
     wanted = config.batch_size
@@ -99,43 +101,30 @@ async def collect_groups(
         round_groups = await asyncio.gather(
             *(
                 run_group(
-                    env_factory,
+                    env_factory(index),
                     task,
-                    policy_factory,
+                    policy_factory(index),
                     config.episodes_per_task,
                     max_turns=config.max_turns,
                     on_env_error=config.on_env_error,
                     failed_parse_reward=config.failed_parse_reward,
                 )
-                for task in round_tasks
+                for index, task in enumerate(round_tasks)
             )
         )
         groups += round_groups
-        wanted -= sum(_has_signal(group, config) for group in round_groups)
+        wanted -= sum(has_signal(group, config) for group in round_groups)
         attempt += 1
     return groups, attempt
 
 
-async def lockstep_step(
-    config: GRPOConfig,
-    step: int,
-    tasks: Sequence[Task],
-    env_factory: EnvFactory,
-    trainer: PolicyTrainer,
-    generator: Generator,
-    codec: Codec,
-) -> StepOutcome:
-    """Sample, train and publish once; the returned metrics use the seed's names."""
-    started = time.perf_counter()
-    sampling = sampling_params(config, codec)
-    groups, attempts = await collect_groups(
-        config,
-        tasks,
-        env_factory,
-        lambda: ModelPolicy(generator, codec, sampling, config.max_model_length),
-        step,
-    )
-    sampled_at = time.perf_counter()
+def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], trainer: PolicyTrainer) -> dict:
+    """Build samples from ``groups`` and take one optimizer step on them (if any has signal).
+
+    Returns the step's metrics: sample statistics (``zero_variance_skip_ratio`` ...), episode
+    statistics under the seed's names, ``train/*`` from the trainer and ``trained_groups``. Runs
+    the gradient step in the caller's thread (the async loop calls it on a worker thread).
+    """
     batch = build_samples(
         groups,
         normalize_by_std=config.normalize_advantages_by_std,
@@ -147,7 +136,6 @@ async def lockstep_step(
     episodes = [episode for group in groups for episode in group]
     # Episode stats last: reward_mean over every episode, as validation's val/reward_mean is.
     metrics: dict[str, float] = {**batch.stats.metrics(), **episode_stats(episodes)}
-    metrics["sampling_attempts"] = float(attempts)
     if batch.samples:
         # Train only on a full batch's worth of signal: at most batch_size trained groups.
         keep = set(batch.trained_group_indices[: config.batch_size])
@@ -156,15 +144,54 @@ async def lockstep_step(
         metrics["trained_groups"] = float(len(keep))
     else:
         metrics["trained_groups"] = 0.0
+    return metrics
+
+
+def stepped(metrics: dict[str, float]) -> bool:
+    """Whether the optimizer changed the weights (something trained, and the step was not skipped)."""
+    return bool(metrics["trained_groups"]) and not metrics.get("train/skipped_step")
+
+
+async def lockstep_step(
+    config: GRPOConfig,
+    step: int,
+    tasks: Sequence[Task],
+    env_factory: EnvFactory,
+    trainer: PolicyTrainer,
+    replicas: GeneratorReplicas,
+    codec: Codec,
+    timeline: Timeline | None = None,
+) -> StepOutcome:
+    """Sample, train and publish once; the returned metrics use the seed's names."""
+    started = time.perf_counter()
+    sampling = sampling_params(config, codec)
+    groups, attempts = await collect_groups(
+        config,
+        tasks,
+        lambda index: replicas.env_factory(env_factory, index % replicas.size),
+        lambda index: replicas.policy_factory(
+            index % replicas.size, codec, sampling, config.max_model_length
+        ),
+        step,
+    )
+    sampled_at = time.perf_counter()
+    metrics = train_on_groups(config, groups, trainer)
+    metrics["sampling_attempts"] = float(attempts)
     trained_at = time.perf_counter()
-    if metrics["trained_groups"] and not metrics.get("train/skipped_step"):
-        await generator.update_weights(trainer.export_weights(), generator.policy_version + 1)
+    if stepped(metrics):
+        await replicas.publish(trainer.export_weights(), replicas.version + 1)
     synced_at = time.perf_counter()
+    if timeline is not None:
+        timeline.add(TRAINER_LANE, WAITING, started, sampled_at)
+        timeline.add(TRAINER_LANE, TRAINING, sampled_at, trained_at)
+        timeline.add(TRAINER_LANE, WEIGHT_SYNC, trained_at, synced_at)
     metrics |= {
         "time/sampling_s": sampled_at - started,
         "time/training_s": trained_at - sampled_at,
         "time/weight_sync_s": synced_at - trained_at,
         "time/step_s": synced_at - started,
-        "policy_version": float(generator.policy_version),
+        # The trainer waits for the whole sampling phase: the idle time async training recovers.
+        "time/trainer_idle_fraction": (sampled_at - started) / (synced_at - started),
+        "policy_version": float(replicas.version),
     }
-    return StepOutcome(step=step, metrics=metrics, episodes=episodes)
+    return StepOutcome(step=step, metrics=metrics, episodes=[e for group in groups for e in group])

@@ -2,8 +2,11 @@
 
 A run lives in ``runs/<run_name>/``: ``config.yaml``, ``metrics.jsonl`` (one line per step, step 0
 is the validation before training), ``episodes/step_*.jsonl``, ``checkpoints/``, the warm-started
-model when there was a warm-start, and ``training_curves.html``. Rerunning a killed run with the
-same ``run_name`` resumes from its last checkpoint (``resume="auto"``).
+model when there was a warm-start, ``training_curves.html``, and ``timeline.jsonl`` (when the
+generators sampled, environments stepped, and the trainer trained, synced weights or waited; see
+:mod:`cookbook_lib.timeline`). ``max_steps_off_policy`` set makes the run async
+(:mod:`cookbook_lib.grpo.async_loop`); otherwise it is lockstep (:mod:`cookbook_lib.grpo.lockstep`).
+Rerunning a killed run with the same ``run_name`` resumes from its last checkpoint (``resume="auto"``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import copy
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,19 +31,22 @@ from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.envs.base import Env, StepResult, Task
 from cookbook_lib.evaluate import evaluate_policy_async
 from cookbook_lib.generators import HFGenerator
-from cookbook_lib.grpo.config import ConfigError, GRPOConfig
+from cookbook_lib.grpo.async_loop import AsyncGRPO, RolloutCollector
+from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.lockstep import StepOutcome, lockstep_step, sampling_params
+from cookbook_lib.grpo.replicas import GeneratorReplicas
 from cookbook_lib.grpo.trainer import PolicyTrainer
 from cookbook_lib.metrics import MetricsLogger, dump_episodes, episode_stats, read_metrics, truncate_metrics
-from cookbook_lib.model_policy import ModelPolicy
 from cookbook_lib.models import load_model, load_tokenizer
 from cookbook_lib.rollout import EnvFactory
 from cookbook_lib.sft import WarmStart, train_sft
+from cookbook_lib.timeline import TRAINER_LANE, VALIDATION, Timeline, generator_step_recorder, replica_lane
 from cookbook_lib.types import Message, ToolSpec
 
 logger = logging.getLogger(__name__)
 
 WARM_START_DIR = "warm_start_model"
+TIMELINE_FILE = "timeline.jsonl"
 
 
 @dataclass
@@ -79,13 +86,6 @@ def _check_before_loading(
     config: GRPOConfig, tasks: Sequence[Task], val_tasks: Sequence[Task] | None
 ) -> Path:
     config.validate()
-    if config.is_async:
-        raise ConfigError(
-            [
-                "max_steps_off_policy is set, but async GRPO is not part of this release yet: "
-                "leave max_steps_off_policy=None for lockstep training"
-            ]
-        )
     if not tasks:
         raise ValueError("train_multi_turn needs at least one task in tasks=")
     if val_tasks is not None and not val_tasks:
@@ -139,8 +139,20 @@ async def _train(
     model = load_model(str(warm_dir) if warm_dir.is_dir() else config.model)
     if checkpoint is None and warm_start is not None and not warm_dir.is_dir():
         _run_warm_start(model, tokenizer, codec, warm_start, config, warm_dir)
-    # The generator samples with its own copy; the trainer's weights reach it only when published.
-    generator = HFGenerator(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id)
+    timeline = Timeline()
+    # Each replica samples with its own copy; the trainer's weights reach it only when published.
+    replicas = GeneratorReplicas(
+        [
+            HFGenerator(
+                copy.deepcopy(model).eval(),
+                pad_token_id=tokenizer.pad_token_id,
+                step_callback=generator_step_recorder(timeline, replica_lane(i)),
+            )
+            for i in range(config.num_generator_replicas)
+        ],
+        config.weight_sync_type,
+        timeline,
+    )
     reference = copy.deepcopy(model).eval() if config.kl_coef > 0 and not config.use_lora else None
     trainer = PolicyTrainer(
         model,
@@ -155,12 +167,20 @@ async def _train(
         lora_alpha=config.lora_alpha,
         reference_model=reference,
     )
-    start_step = 0
+    start_step, first_group_index = 0, 0
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=trainer.model, optimizer=trainer.optimizer)
         start_step = state.step
-        await generator.update_weights(trainer.export_weights(), int(state.extra_state["policy_version"]))
+        first_group_index = int(state.extra_state.get("groups_started", 0))
+        await replicas.load_everywhere(trainer.export_weights(), int(state.extra_state["policy_version"]))
         print(f"resumed {run_dir} after step {start_step}")
+    collector: RolloutCollector | None = None
+    if config.is_async:
+        collector = RolloutCollector(
+            config, tasks, env_factory, replicas, codec, first_group_index=first_group_index
+        )
+        async_grpo = AsyncGRPO(config, collector, trainer, replicas, timeline)
+    validator = _Validator(config, val_tasks, env_factory, replicas, codec, collector, timeline)
     # Lines after the checkpoint (all of them, without one) are redone: nothing is logged twice.
     truncate_metrics(run_dir, start_step if checkpoint is not None else -1)
     log = MetricsLogger(
@@ -168,26 +188,37 @@ async def _train(
     )
     try:
         if start_step == 0:
-            metrics = await _validate(config, val_tasks, env_factory, generator, codec) if val_tasks else {}
+            metrics = await validator.run() if val_tasks else {}
             log.log(0, metrics)
             _print_step(0, config.num_steps, metrics)
             _notify(on_step, StepOutcome(step=0, metrics=metrics, episodes=[]))
         for step in range(start_step + 1, config.num_steps + 1):
-            outcome = await lockstep_step(config, step, tasks, env_factory, trainer, generator, codec)
+            if collector is not None:
+                outcome = await async_grpo.step(step)
+            else:
+                outcome = await lockstep_step(
+                    config, step, tasks, env_factory, trainer, replicas, codec, timeline
+                )
             last = step == config.num_steps
             if val_tasks and (
                 last or (config.validation_interval and step % config.validation_interval == 0)
             ):
-                outcome.metrics |= await _validate(config, val_tasks, env_factory, generator, codec)
+                outcome.metrics |= await validator.run()
             log.log(step, outcome.metrics)
             dump_episodes(run_dir, step, outcome.episodes)
             if last or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
-                _save(run_dir, step, trainer, generator.policy_version, config)
+                groups_started = collector.next_group_index if collector is not None else 0
+                _save(run_dir, step, trainer, replicas.version, groups_started, config)
+                timeline.save(run_dir / TIMELINE_FILE)
             _print_step(step, config.num_steps, outcome.metrics)
             _notify(on_step, outcome)
     finally:
+        # Cancel what is in flight first (each episode closes its environment), then the generators.
+        if collector is not None:
+            await collector.stop()
         log.close()
-        await generator.close()
+        await replicas.close()
+        timeline.save(run_dir / TIMELINE_FILE)
     metrics_by_step = read_metrics(run_dir)
     _write_curves(run_dir, metrics_by_step)
     return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
@@ -235,37 +266,73 @@ def _run_warm_start(
     model.save_pretrained(warm_dir)
 
 
-async def _validate(
+class _Validator:
+    """Validation on ``val_tasks`` with the newest weights, on replica 0.
+
+    In an async run it first waits for the newest weights to reach the replicas; with
+    ``sequential_validation`` it also pauses rollout collection (letting the groups in flight
+    finish) so validation runs on its own, and resumes collection after.
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        val_tasks: Sequence[Task] | None,
+        env_factory: EnvFactory,
+        replicas: GeneratorReplicas,
+        codec: Codec,
+        collector: RolloutCollector | None,
+        timeline: Timeline,
+    ) -> None:
+        self.config, self.val_tasks, self.env_factory = config, val_tasks, env_factory
+        self.replicas, self.codec, self.collector, self.timeline = replicas, codec, collector, timeline
+
+    async def run(self) -> dict[str, float]:
+        config, collector = self.config, self.collector
+        assert self.val_tasks
+        pause = collector is not None and config.sequential_validation
+        if pause:
+            await collector.pause()
+        started = time.perf_counter()  # after the pause: the span is validation alone
+        try:
+            await self.replicas.flush()
+            policy_factory = self.replicas.policy_factory(
+                0, self.codec, sampling_params(config, self.codec), config.max_model_length
+            )
+            report = await evaluate_policy_async(
+                policy_factory,
+                self.val_tasks,
+                self.env_factory,
+                episodes_per_task=config.val_episodes_per_task,
+                max_turns=config.max_turns,
+                on_env_error=config.on_env_error,
+                failed_parse_reward=config.failed_parse_reward,
+            )
+        finally:
+            if pause:
+                await collector.resume()
+        self.timeline.add(TRAINER_LANE, VALIDATION, started, time.perf_counter())
+        metrics = episode_stats(report.episodes, prefix="val/")
+        metrics |= {f"val/pass@{k}": v for k, v in report.pass_at_k.items()}
+        metrics["val/time_s"] = report.wall_time_s
+        return metrics
+
+
+def _save(
+    run_dir: Path,
+    step: int,
+    trainer: PolicyTrainer,
+    policy_version: int,
+    groups_started: int,
     config: GRPOConfig,
-    val_tasks: Sequence[Task] | None,
-    env_factory: EnvFactory,
-    generator: HFGenerator,
-    codec: Codec,
-) -> dict[str, float]:
-    assert val_tasks
-    sampling = sampling_params(config, codec)
-    report = await evaluate_policy_async(
-        lambda: ModelPolicy(generator, codec, sampling, config.max_model_length),
-        val_tasks,
-        env_factory,
-        episodes_per_task=config.val_episodes_per_task,
-        max_turns=config.max_turns,
-        on_env_error=config.on_env_error,
-        failed_parse_reward=config.failed_parse_reward,
-    )
-    metrics = episode_stats(report.episodes, prefix="val/")
-    metrics |= {f"val/pass@{k}": v for k, v in report.pass_at_k.items()}
-    metrics["val/time_s"] = report.wall_time_s
-    return metrics
-
-
-def _save(run_dir: Path, step: int, trainer: PolicyTrainer, policy_version: int, config: GRPOConfig) -> None:
+) -> None:
+    # groups_started: where an async run's stream of groups resumes (groups in flight are redone).
     save_checkpoint(
         run_dir,
         step,
         model=trainer.model,
         optimizer=trainer.optimizer,
-        extra_state={"policy_version": policy_version, "seed": config.seed},
+        extra_state={"policy_version": policy_version, "groups_started": groups_started, "seed": config.seed},
     )
 
 

@@ -230,10 +230,15 @@ class PolicyTrainer:
 
     # --- weights for the generator -----------------------------------------------------------------
     @torch.no_grad()
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The current policy as a plain model's state dict (LoRA merged in), for the generator."""
+    def export_weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        """The current policy as a plain model's state dict (LoRA merged in), for the generator.
+
+        Full weights are views of the trained parameters unless ``copy``: a deferred publication
+        reads them while the next step trains, so it needs a copy. LoRA exports are always copies.
+        """
         if not self.use_lora:
-            return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+            state = self.model.state_dict()
+            return {name: (t.detach().clone() if copy else t.detach()) for name, t in state.items()}
         self.model.merge_adapter()
         try:
             merged = {}

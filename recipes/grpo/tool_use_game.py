@@ -20,6 +20,8 @@ from cookbook_lib.grpo.train import TrainResult, train_multi_turn
 from cookbook_lib.sft import expert_warm_start
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
 
+DEMO_TIERS = "1,2,3"
+
 
 def demo_config(**overrides) -> GRPOConfig:
     """The seed's example config, sized for a CPU (the seed's 200 steps are hours here)."""
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> TrainResult:
     parser.add_argument("--val-tasks", type=int, default=30, help="validation tasks (from the val split)")
     parser.add_argument("--warm-start-demos", type=int, default=64)
     parser.add_argument("--warm-start-steps", type=int, default=8)
+    parser.add_argument("--tiers", default=DEMO_TIERS, help="task tiers to train and validate on, e.g. 1,2")
+    parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
     parser.add_argument("--small", action="store_true", help="a tiny run, to check the recipe works")
     args = parser.parse_args(argv)
 
@@ -60,14 +64,17 @@ def main(argv: list[str] | None = None) -> TrainResult:
         overrides["run_name"] = args.run_name
     if args.steps is not None:
         overrides["num_steps"] = args.steps
+    if args.lr is not None:
+        overrides["learning_rate"] = args.lr
     if args.small:
         overrides |= dict(batch_size=1, episodes_per_task=2, num_steps=1, max_tokens_per_turn=16, max_turns=2)
         args.val_tasks, args.warm_start_demos, args.warm_start_steps = 2, 2, 1
     config = dataclasses.replace(config, **overrides)
     config.validate()  # before anything slow
 
-    train_tasks = load_tool_use_game_tasks("train")
-    val_tasks = load_tool_use_game_tasks("val")[: args.val_tasks]
+    tiers = {int(tier) for tier in args.tiers.split(",")}
+    train_tasks = [t for t in load_tool_use_game_tasks("train") if t.metadata["tier"] in tiers]
+    val_tasks = [t for t in load_tool_use_game_tasks("val") if t.metadata["tier"] in tiers][: args.val_tasks]
     warm_start = expert_warm_start(
         train_tasks,
         lambda task: ToolUseGameEnv(),
