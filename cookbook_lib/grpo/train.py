@@ -262,8 +262,10 @@ def _run_warm_start(
         seed=config.seed,
         on_step=report,
     )
-    # Saved so that a resumed run (LoRA adapters in its checkpoints) starts from the same base.
+    # Saved so that a resumed run (LoRA adapters in its checkpoints) starts from the same base,
+    # and so that other runs can start from it (model="./runs/<run>/warm_start_model").
     model.save_pretrained(warm_dir)
+    tokenizer.save_pretrained(warm_dir)  # a complete model folder: usable as another run's config.model
 
 
 class _Validator:
