@@ -1,14 +1,20 @@
 """Training curves of a GRPO run: a static figure for ``runs/<run>/training_curves.html``, and a live
 widget a notebook updates after every step.
 
-Both draw the same four panels from the step records of ``metrics.jsonl`` (one dict per step, the
-keys :mod:`cookbook_lib.grpo.lockstep` logs):
+Both draw panels from the step records of ``metrics.jsonl`` (one dict per step, the keys
+:mod:`cookbook_lib.grpo.lockstep` and :mod:`cookbook_lib.grpo.async_loop` log). ``TRAINING_PANELS``,
+the default, has four:
 
 - reward: the training reward per step, and the validation reward at the steps that validated
   (step 0 is the validation before any GRPO step, i.e. of the warm-started model);
 - how episodes ended: the seed's end-cause ratios, plus the share of groups skipped for zero variance;
 - the policy loss;
 - entropy and gradient norm, the first things to look at when a run goes wrong.
+
+``ASYNC_PANELS`` is a second set of four panels for async runs (``max_steps_off_policy`` set): the
+reward, how long each step waited for rollouts (``async/train_wait_s``), the stale groups dropped
+(``async/dropped_stale_groups``) and the policy age of the trained groups (mean and max). Pass it as
+``panels=`` to either the figure or the live widget.
 
 A missing key or a ``None`` (a NaN written to JSON) leaves that step out of that curve only: a step
 without validation has no validation point, rather than a misleading 0.
@@ -37,15 +43,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PANEL_TITLES = ("Reward", "How episodes ended (share of episodes)", "Policy loss", "Entropy and grad norm")
-# Panel number -> (row, col) in the 2 x 2 grid, and its heading in the legend.
-_CELLS = {1: (1, 1), 2: (1, 2), 3: (2, 1), 4: (2, 2)}
-_LEGEND_GROUPS = {1: "Reward", 2: "End causes", 3: "Loss", 4: "Entropy, grad norm"}
-
 
 @dataclass(frozen=True)
 class Curve:
-    """One line of the figure: the metric it plots, its legend name, its panel (1-4) and style."""
+    """One line of the figure: the metric it plots, its legend name, its panel (1-based) and style."""
 
     key: str
     name: str
@@ -55,9 +56,51 @@ class Curve:
     marker_size: int = 5
 
 
-CURVES: tuple[Curve, ...] = (
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: its title, its heading in the legend, and how its y axis is scaled."""
+
+    title: str
+    legend: str
+    y_range: tuple[float, float] | None = None  # a fixed range (ratios read the same across runs)
+    from_zero: bool = False  # the axis starts at 0 (counts, seconds): a flat 0 reads as 0
+
+    def __post_init__(self) -> None:
+        if self.y_range is not None and self.from_zero:
+            raise ValueError(f"panel {self.title!r}: give y_range or from_zero, not both")
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A figure's panels, two per row, and the curves drawn in them (``Curve.panel`` counts from 1)."""
+
+    panels: tuple[Panel, ...]
+    curves: tuple[Curve, ...]
+
+    def __post_init__(self) -> None:
+        for curve in self.curves:
+            if not 1 <= curve.panel <= len(self.panels):
+                raise ValueError(f"curve {curve.key!r} is in panel {curve.panel}, of 1-{len(self.panels)}")
+
+    @property
+    def rows(self) -> int:
+        return (len(self.panels) + 1) // 2
+
+    def cell(self, panel: int) -> tuple[int, int]:
+        """The (row, col) of panel ``panel`` (1-based) in the grid."""
+        return (panel - 1) // 2 + 1, (panel - 1) % 2 + 1
+
+    def panel_of(self, curve: Curve) -> Panel:
+        return self.panels[curve.panel - 1]
+
+
+REWARD_CURVES = (
     Curve("reward_mean", "train reward", 1, "#1f77b4"),
     Curve("val/reward_mean", "validation reward", 1, "#ff7f0e", marker_size=9),
+)
+
+CURVES: tuple[Curve, ...] = (
+    *REWARD_CURVES,
     Curve("terminated_ratio", "terminated", 2, END_CAUSE_COLORS[EndCause.TERMINATED]),
     Curve("truncated_ratio", "truncated (any cause)", 2, "#555555"),
     Curve("max_turns_ratio", "max turns", 2, END_CAUSE_COLORS[EndCause.MAX_TURNS], dash="dot"),
@@ -69,6 +112,36 @@ CURVES: tuple[Curve, ...] = (
     Curve("train/policy_loss", "policy loss", 3, "#8c564b"),
     Curve("train/entropy", "entropy (nats)", 4, "#17becf"),
     Curve("train/grad_norm", "grad norm", 4, "#7f7f7f", dash="dash"),
+)
+
+TRAINING_PANELS = Panels(
+    panels=(
+        Panel("Reward", "Reward"),
+        Panel("How episodes ended (share of episodes)", "End causes", y_range=(-0.05, 1.05)),
+        Panel("Policy loss", "Loss"),
+        Panel("Entropy and grad norm", "Entropy, grad norm"),
+    ),
+    curves=CURVES,
+)
+PANEL_TITLES = tuple(panel.title for panel in TRAINING_PANELS.panels)
+
+ASYNC_CURVES: tuple[Curve, ...] = (
+    *REWARD_CURVES,
+    Curve("async/train_wait_s", "trainer waiting for groups", 2, "#c44e52"),
+    Curve("time/step_s", "whole step", 2, "#7f7f7f", dash="dash"),
+    Curve("async/dropped_stale_groups", "stale groups dropped", 3, "#9467bd"),
+    Curve("async/policy_age_mean", "mean age", 4, "#2ca02c"),
+    Curve("async/policy_age_max", "max age", 4, "#d62728", dash="dot"),
+)
+
+ASYNC_PANELS = Panels(
+    panels=(
+        Panel("Reward", "Reward"),
+        Panel("Trainer wait per step (s)", "Waiting", from_zero=True),
+        Panel("Stale groups dropped per step", "Stale groups", from_zero=True),
+        Panel("Policy age of trained groups (steps)", "Policy age", from_zero=True),
+    ),
+    curves=ASYNC_CURVES,
 )
 
 TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -104,7 +177,7 @@ def curve_points(metrics: Iterable[Mapping[str, Any]], key: str) -> tuple[list[i
     return steps, values
 
 
-def _scatter(curve: Curve, steps: Sequence[int], values: Sequence[float]) -> go.Scatter:
+def _scatter(curve: Curve, panel: Panel, steps: Sequence[int], values: Sequence[float]) -> go.Scatter:
     return go.Scatter(
         x=list(steps),
         y=list(values),
@@ -113,36 +186,48 @@ def _scatter(curve: Curve, steps: Sequence[int], values: Sequence[float]) -> go.
         line={"color": curve.color, "dash": curve.dash},
         marker={"size": curve.marker_size},
         legendgroup=str(curve.panel),
-        legendgrouptitle_text=_LEGEND_GROUPS[curve.panel],
+        legendgrouptitle_text=panel.legend,
         hovertemplate=f"{curve.name}<br>step %{{x}}: %{{y:.4g}}<extra></extra>",
     )
 
 
-def _grid(title: str) -> go.Figure:
-    figure = make_subplots(rows=2, cols=2, subplot_titles=PANEL_TITLES, vertical_spacing=0.14)
-    figure.update_xaxes(title_text="step", row=2)
-    figure.update_yaxes(range=[-0.05, 1.05], row=1, col=2)  # ratios: a fixed scale reads across runs
+def _grid(title: str, panels: Panels) -> go.Figure:
+    figure = make_subplots(
+        rows=panels.rows,
+        cols=2,
+        subplot_titles=[panel.title for panel in panels.panels],
+        vertical_spacing=0.28 / panels.rows,
+    )
+    figure.update_xaxes(title_text="step", row=panels.rows)
+    for number, panel in enumerate(panels.panels, start=1):
+        row, col = panels.cell(number)
+        if panel.y_range is not None:
+            figure.update_yaxes(range=list(panel.y_range), row=row, col=col)
+        elif panel.from_zero:
+            figure.update_yaxes(rangemode="tozero", row=row, col=col)
     figure.update_layout(
         title=title,
-        height=640,
+        height=130 + 255 * panels.rows,
         margin={"t": 80, "b": 50},
         legend={"tracegroupgap": 12, "groupclick": "toggleitem"},
     )
     return figure
 
 
-def training_curves_figure(metrics: Sequence[Mapping[str, Any]], title: str = "Training curves") -> go.Figure:
-    """The four panels from step records (``read_metrics(run_dir)`` or ``TrainResult.metrics``).
+def training_curves_figure(
+    metrics: Sequence[Mapping[str, Any]], title: str = "Training curves", *, panels: Panels = TRAINING_PANELS
+) -> go.Figure:
+    """The panels from step records (``read_metrics(run_dir)`` or ``TrainResult.metrics``).
 
     Curves with no value at any step are left out, so a run without validation (or a test without
-    a trainer) shows no empty legend entries.
+    a trainer) shows no empty legend entries. ``panels=ASYNC_PANELS`` draws an async run's panels.
     """
-    figure = _grid(title)
-    for curve in CURVES:
+    figure = _grid(title, panels)
+    for curve in panels.curves:
         steps, values = curve_points(metrics, curve.key)
         if steps:
-            row, col = _CELLS[curve.panel]
-            figure.add_trace(_scatter(curve, steps, values), row=row, col=col)
+            row, col = panels.cell(curve.panel)
+            figure.add_trace(_scatter(curve, panels.panel_of(curve), steps, values), row=row, col=col)
     return figure
 
 
@@ -184,6 +269,9 @@ class LiveTrainingPlots:
         display(live.widget)
         train_multi_turn(config, ..., on_step=live)
 
+    ``panels`` picks what is drawn: the training curves (``TRAINING_PANELS``, the default) or an
+    async run's waiting, stale groups and policy age (``ASYNC_PANELS``), or any ``Panels``.
+
     In a notebook, ``train_multi_turn`` runs its event loop on a worker thread, so ``update`` is
     called from that thread. Records are kept in plain Python (under a lock) and then pushed to the
     widgets; a failure to draw is logged, never raised, because a plot must not stop a training run.
@@ -200,15 +288,17 @@ class LiveTrainingPlots:
         metrics: Iterable[Mapping[str, Any]] = (),
         run_dir: str | Path | None = None,
         title: str = "Training curves (live)",
+        panels: Panels = TRAINING_PANELS,
     ) -> None:
         self.num_steps = num_steps
+        self.panels = panels
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._records: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
-        self.figure = go.FigureWidget(_grid(title))
-        for curve in CURVES:
-            row, col = _CELLS[curve.panel]
-            self.figure.add_trace(_scatter(curve, [], []), row=row, col=col)
+        self.figure = go.FigureWidget(_grid(title, panels))
+        for curve in panels.curves:
+            row, col = panels.cell(curve.panel)
+            self.figure.add_trace(_scatter(curve, panels.panel_of(curve), [], []), row=row, col=col)
         self.progress = widgets.IntProgress(value=0, min=0, max=max(num_steps or 1, 1), description="GRPO")
         self.label = widgets.Label(value="waiting for the first step")
         self._widget = widgets.VBox([widgets.HBox([self.progress, self.label]), self.figure])
@@ -269,7 +359,7 @@ class LiveTrainingPlots:
         records = [self._records[step] for step in sorted(self._records)]
         try:
             with self.figure.batch_update():
-                for trace, curve in zip(self.figure.data, CURVES, strict=True):
+                for trace, curve in zip(self.figure.data, self.panels.curves, strict=True):
                     trace.x, trace.y = curve_points(records, curve.key)
             self._update_progress(records)
         except Exception as exc:  # drawing must never fail the run that calls us
@@ -295,4 +385,7 @@ class LiveTrainingPlots:
         step_time = _number(last.get("time/step_s"))
         if step_time is not None:
             parts.append(f"{step_time:.1f} s/step")
+        wait = _number(last.get("async/train_wait_s"))
+        if wait is not None:  # an async run: how much of the step the trainer spent waiting
+            parts.append(f"{wait:.1f} s waiting")
         self.label.value = " · ".join(parts)

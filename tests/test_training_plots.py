@@ -11,8 +11,14 @@ import pytest
 from cookbook_lib.grpo.lockstep import StepOutcome
 from cookbook_lib.metrics import MetricsLogger
 from cookbook_lib.training_plots import (
+    ASYNC_PANELS,
     CURVES,
+    PANEL_TITLES,
+    TRAINING_PANELS,
+    Curve,
     LiveTrainingPlots,
+    Panel,
+    Panels,
     curve_points,
     metrics_table_figure,
     training_curves_figure,
@@ -197,3 +203,87 @@ def test_a_drawing_failure_is_logged_not_raised(monkeypatch, caplog):
 def test_bad_input_fails_loudly(bad):
     with pytest.raises((TypeError, ValueError, AttributeError)):
         LiveTrainingPlots().update(bad)
+
+
+# What an async run logs (the keys of cookbook_lib.grpo.async_loop), step 0 validation only.
+ASYNC_METRICS = [
+    {"step": 0, "val/reward_mean": 0.25},
+    {
+        "step": 1,
+        "reward_mean": 0.5,
+        "time/step_s": 30.0,
+        "async/train_wait_s": 28.0,
+        "async/dropped_stale_groups": 0.0,
+        "async/policy_age_mean": 0.0,
+        "async/policy_age_max": 0.0,
+    },
+    {
+        "step": 2,
+        "reward_mean": 0.625,
+        "val/reward_mean": 0.5,
+        "time/step_s": 12.0,
+        "async/train_wait_s": 4.5,
+        "async/dropped_stale_groups": 2.0,
+        "async/policy_age_mean": 0.75,
+        "async/policy_age_max": 1.0,
+    },
+]
+
+
+def test_the_default_panels_are_the_training_curves():
+    assert TRAINING_PANELS.curves == CURVES
+    assert tuple(panel.title for panel in TRAINING_PANELS.panels) == PANEL_TITLES
+    figure = training_curves_figure(METRICS)
+    assert [a.text for a in figure.layout.annotations] == list(PANEL_TITLES)
+    assert tuple(figure.layout.yaxis2.range) == (-0.05, 1.05)  # the end-cause ratios keep a fixed scale
+
+
+def test_async_panels_plot_waiting_stale_groups_and_policy_age():
+    figure = training_curves_figure(ASYNC_METRICS, panels=ASYNC_PANELS)
+    expected = {
+        "train reward": ("x", [1, 2], [0.5, 0.625]),
+        "validation reward": ("x", [0, 2], [0.25, 0.5]),
+        "trainer waiting for groups": ("x2", [1, 2], [28.0, 4.5]),
+        "whole step": ("x2", [1, 2], [30.0, 12.0]),
+        "stale groups dropped": ("x3", [1, 2], [0.0, 2.0]),
+        "mean age": ("x4", [1, 2], [0.0, 0.75]),
+        "max age": ("x4", [1, 2], [0.0, 1.0]),
+    }
+    assert sorted(trace.name for trace in figure.data) == sorted(expected)
+    for name, (axis, steps, values) in expected.items():
+        trace = _trace(figure, name)
+        assert (trace.xaxis, list(trace.x), list(trace.y)) == (axis, steps, values), name
+    assert figure.layout.yaxis3.rangemode == "tozero"  # no drops reads as 0, not as a flat line at 0.5
+    # A lockstep run has no async metrics: only its rewards (and step time) are drawn.
+    lockstep = training_curves_figure(METRICS, panels=ASYNC_PANELS)
+    assert sorted(trace.name for trace in lockstep.data) == [
+        "train reward",
+        "validation reward",
+        "whole step",
+    ]
+
+
+def test_live_async_plots_update_each_panel():
+    live = LiveTrainingPlots(num_steps=2, panels=ASYNC_PANELS, metrics=ASYNC_METRICS[:1])
+    assert [trace.name for trace in live.figure.data] == [curve.name for curve in ASYNC_PANELS.curves]
+    for record in ASYNC_METRICS[1:]:
+        live(StepOutcome(step=record["step"], metrics=dict(record), episodes=[]))
+    assert list(_trace(live.figure, "max age").y) == [0.0, 1.0]
+    assert list(_trace(live.figure, "stale groups dropped").y) == [0.0, 2.0]
+    assert list(_trace(live.figure, "trainer waiting for groups").y) == [28.0, 4.5]
+    assert list(_trace(live.figure, "validation reward").x) == [0, 2]
+    assert "4.5 s waiting" in live.label.value and live.progress.bar_style == "success"
+
+
+def test_panels_can_be_any_number_and_check_their_curves():
+    three = Panels(
+        panels=(Panel("A", "a"), Panel("B", "b", from_zero=True), Panel("C", "c", y_range=(0, 1))),
+        curves=(Curve("reward_mean", "r", 1, "red"), Curve("x", "x", 3, "blue")),
+    )
+    assert three.rows == 2 and [three.cell(i) for i in (1, 2, 3)] == [(1, 1), (1, 2), (2, 1)]
+    figure = training_curves_figure([{"step": 1, "reward_mean": 1.0, "x": 0.5}], panels=three)
+    assert [trace.xaxis for trace in figure.data] == ["x", "x3"]
+    with pytest.raises(ValueError, match="panel 5"):
+        Panels(panels=three.panels, curves=(Curve("k", "k", 5, "red"),))
+    with pytest.raises(ValueError, match="not both"):
+        Panel("D", "d", y_range=(0, 1), from_zero=True)

@@ -8,12 +8,14 @@ The config has the seed page's shape, sized for a 2-core CPU and the embedded 13
 
 It prints one line per step and writes runs/<run_name>/ (metrics.jsonl, episodes, checkpoints,
 training_curves.html). Rerun with the same --run-name to resume an interrupted run.
+``recipes.grpo.tool_use_game_async`` is the same demo with async GRPO; it shares this ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.train import TrainResult, train_multi_turn
@@ -45,33 +47,67 @@ def demo_config(**overrides) -> GRPOConfig:
     return GRPOConfig(**settings)
 
 
-def main(argv: list[str] | None = None) -> TrainResult:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+SMALL_OVERRIDES = dict(batch_size=1, episodes_per_task=2, num_steps=1, max_tokens_per_turn=16, max_turns=2)
+
+
+def make_parser(doc: str = __doc__) -> argparse.ArgumentParser:
+    """The recipe's flags; a flag whose ``dest`` is a GRPOConfig field overrides that field when given.
+
+    ``recipes.grpo.tool_use_game_async`` adds its own flags to this parser the same way.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--config", help="a GRPOConfig YAML file; flags below override it")
-    parser.add_argument("--run-name", default=None)
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
+    parser.add_argument("--run-name", dest="run_name", default=None)
+    parser.add_argument(
+        "--steps", dest="num_steps", metavar="STEPS", type=int, default=None, help="GRPO steps"
+    )
     parser.add_argument("--val-tasks", type=int, default=30, help="validation tasks (from the val split)")
     parser.add_argument("--warm-start-demos", type=int, default=64)
     parser.add_argument("--warm-start-steps", type=int, default=8)
     parser.add_argument("--tiers", default=DEMO_TIERS, help="task tiers to train and validate on, e.g. 1,2")
-    parser.add_argument("--lr", type=float, default=None, help="GRPO learning rate")
+    parser.add_argument(
+        "--lr", dest="learning_rate", metavar="LR", type=float, default=None, help="GRPO learning rate"
+    )
     parser.add_argument("--small", action="store_true", help="a tiny run, to check the recipe works")
-    args = parser.parse_args(argv)
+    return parser
 
-    config = GRPOConfig.from_yaml(args.config) if args.config else demo_config()
-    overrides: dict[str, object] = {}
-    if args.run_name:
-        overrides["run_name"] = args.run_name
-    if args.steps is not None:
-        overrides["num_steps"] = args.steps
-    if args.lr is not None:
-        overrides["learning_rate"] = args.lr
+
+def parse_config(
+    argv: list[str] | None = None,
+    *,
+    base_config: Callable[..., GRPOConfig] = demo_config,
+    parser: argparse.ArgumentParser | None = None,
+) -> tuple[GRPOConfig, argparse.Namespace]:
+    """The run's config and the parsed flags, checked; nothing is loaded.
+
+    Without ``--config`` the config is ``base_config(**overrides)``, so a base config may derive
+    fields from others (the async recipe sizes ``groups_in_flight`` from ``batch_size``). A YAML
+    file given with ``--config`` is the whole config, and the flags override it.
+    """
+    args = (parser or make_parser()).parse_args(argv)
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    overrides: dict[str, object] = {
+        name: value for name, value in vars(args).items() if name in names and value not in (None, "")
+    }
     if args.small:
-        overrides |= dict(batch_size=1, episodes_per_task=2, num_steps=1, max_tokens_per_turn=16, max_turns=2)
+        overrides |= SMALL_OVERRIDES
         args.val_tasks, args.warm_start_demos, args.warm_start_steps = 2, 2, 1
-    config = dataclasses.replace(config, **overrides)
+    if args.config:
+        config = dataclasses.replace(GRPOConfig.from_yaml(args.config), **overrides)
+    else:
+        config = base_config(**overrides)
     config.validate()  # before anything slow
+    return config, args
 
+
+def main(
+    argv: list[str] | None = None,
+    *,
+    base_config: Callable[..., GRPOConfig] = demo_config,
+    parser: argparse.ArgumentParser | None = None,
+) -> TrainResult:
+    """Parse the flags, warm-start on expert episodes, train; the lockstep and async recipes share it."""
+    config, args = parse_config(argv, base_config=base_config, parser=parser)
     tiers = {int(tier) for tier in args.tiers.split(",")}
     train_tasks = [t for t in load_tool_use_game_tasks("train") if t.metadata["tier"] in tiers]
     val_tasks = [t for t in load_tool_use_game_tasks("val") if t.metadata["tier"] in tiers][: args.val_tasks]

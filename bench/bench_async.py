@@ -1,0 +1,207 @@
+"""Lockstep versus async GRPO, side by side in one run, on the embedded model on a CPU.
+
+    python bench/bench_async.py                   # 6 steps each, a 0.3 s tool, long-tailed episodes
+    python bench/bench_async.py --quick           # a smoke check (2 steps, short replies)
+    python bench/bench_async.py --out runs/bench_async.json --figure runs/bench_async_timeline.html
+
+Workload, the issue's: every assistant reply goes to a review tool that takes ``--tool-latency``
+seconds (0.3 s, as real API tools do) before the environment answers, and episode lengths are
+long-tailed: a task asks for 1, 2, 4 or 8 replies (60, 20, 10 and 10 % of the tasks). The reward
+(shorter replies score higher) always varies within a group, so every step trains and the
+comparison is about scheduling, not about luck in finding signal.
+
+Arms: the same config, tasks, seed and starting weights; only the scheduling differs:
+  lockstep  ``max_steps_off_policy=None``: sample the batch, then train, then publish;
+  async     ``max_steps_off_policy=1``, ``groups_in_flight=2 * batch_size``: rollouts go on while
+            the trainer trains; groups older than one step are dropped.
+Wall time is the sum of the GRPO steps' times from step 2 on (model loading and step 1's one-time
+costs excluded: they are the same for both; the JSON also has the total over all steps).
+The ideal bound is the slower of rollout alone and training alone, both measured in the lockstep
+run: no scheduling can beat it on the same work. Timings on a shared CPU are noisy: compare the
+ratio of one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cookbook_lib.envs import Env, StepResult, Task
+from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.train import TIMELINE_FILE, train_multi_turn
+from cookbook_lib.timeline import Timeline
+from cookbook_lib.timeline_plots import idle_summary, timeline_figure
+from cookbook_lib.types import Message, ToolSpec
+
+TOPICS = [
+    "rivers", "owls", "bread", "bridges", "rain", "chess", "tea", "maps", "glaciers", "bees",
+    "trains", "salt", "comets", "violins", "deserts", "ink", "lighthouses", "moss", "clocks", "kites",
+]  # fmt: skip
+REPLY_COUNTS, REPLY_WEIGHTS = (1, 2, 4, 8), (0.6, 0.2, 0.1, 0.1)
+LONGEST_REPLY_CHARS = 160
+
+
+def bench_tasks(count: int, seed: int) -> list[Task]:
+    rng = random.Random(seed)
+    return [
+        Task(
+            prompt=f"Tell me one fact about {rng.choice(TOPICS)}.",
+            target=None,
+            metadata={"replies": rng.choices(REPLY_COUNTS, REPLY_WEIGHTS)[0]},
+        )
+        for _ in range(count)
+    ]
+
+
+class ReviewedRepliesEnv(Env):
+    """Each reply is sent to a review tool (``latency_s`` per call); the task sets how many replies.
+
+    Reward: the mean over replies of ``1 - len(reply) / 160`` (at least 0): brevity, which varies
+    within every group and which the model can learn.
+    """
+
+    def __init__(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+        self._messages: list[Message] = []
+        self._task: Task | None = None
+        self._scores: list[float] = []
+
+    async def reset(self, task: Task) -> list[Message]:
+        self._task, self._scores = task, []
+        self._messages = [
+            Message(role="system", content="You are a helpful assistant. Answer briefly."),
+            Message(role="user", content=task.prompt),
+        ]
+        return list(self._messages)
+
+    async def review(self, reply: str) -> float:
+        await asyncio.sleep(self.latency_s)  # the tool's round trip
+        return max(0.0, 1.0 - len(reply) / LONGEST_REPLY_CHARS)
+
+    async def step(self, message: Message) -> StepResult:
+        assert self._task is not None
+        self._messages.append(message)
+        self._scores.append(await self.review(message.get("content", "")))
+        if len(self._scores) >= self._task.metadata["replies"]:
+            reward = sum(self._scores) / len(self._scores)
+            return StepResult(terminated=True, truncated=False, messages=list(self._messages), reward=reward)
+        self._messages.append(Message(role="user", content="Noted. One more fact, please."))
+        return StepResult(terminated=False, truncated=False, messages=list(self._messages), reward=0.0)
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return []
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+
+def run_arm(name: str, config: GRPOConfig, tasks: list[Task], latency_s: float) -> dict:
+    started = time.perf_counter()
+    result = train_multi_turn(config, tasks=tasks, env_factory=lambda task: ReviewedRepliesEnv(latency_s))
+    all_steps = [m for m in result.metrics if m["step"] >= 1]
+    # Step 1 carries one-time costs (optimizer state, first allocations): timed from step 2 on.
+    steps = all_steps[1:] if len(all_steps) > 1 else all_steps
+    timeline = Timeline.load(result.run_dir / TIMELINE_FILE)
+    summary = {
+        "arm": name,
+        "wall_s": sum(m["time/step_s"] for m in steps),
+        "process_s": time.perf_counter() - started,
+        "sampling_s": sum(m["time/sampling_s"] for m in steps),
+        "training_s": sum(m["time/training_s"] + m["time/weight_sync_s"] for m in steps),
+        "trainer_idle_fraction": sum(m["time/trainer_idle_fraction"] * m["time/step_s"] for m in steps)
+        / sum(m["time/step_s"] for m in steps),
+        "all_steps_wall_s": sum(m["time/step_s"] for m in all_steps),
+        "reward_per_step": [m["reward_mean"] for m in all_steps],
+        "dropped_stale_groups": sum(m.get("async/dropped_stale_groups", 0) for m in all_steps),
+        "policy_age_mean": [m.get("async/policy_age_mean", 0.0) for m in all_steps],
+        "timeline": idle_summary(timeline.spans()),
+    }
+    return summary | {"_timeline": timeline}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tool-latency", type=float, default=0.3)
+    parser.add_argument("--quick", action="store_true", help="2 steps, short replies: a smoke check")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--figure", default=None, help="write the two timelines as HTML here")
+    args = parser.parse_args(argv)
+    runs_dir = tempfile.mkdtemp(prefix="bench-async-")
+    base = GRPOConfig(
+        batch_size=4,
+        episodes_per_task=4,
+        num_steps=2 if args.quick else args.steps,
+        validation_interval=0,
+        max_turns=8,
+        max_model_length=1024,
+        max_tokens_per_turn=12 if args.quick else 32,
+        micro_batch_tokens=4096,
+        learning_rate=2e-5,
+        overlong_buffer_tokens=0,
+        checkpoint_interval=0,
+        runs_dir=runs_dir,
+        run_name="lockstep",
+        seed=0,
+    )
+    tasks = bench_tasks(200, seed=0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}")
+    arms = [
+        run_arm("lockstep", base, tasks, args.tool_latency),
+        run_arm(
+            "async",
+            dataclasses.replace(
+                base, run_name="async", max_steps_off_policy=1, groups_in_flight=2 * base.batch_size
+            ),
+            tasks,
+            args.tool_latency,
+        ),
+    ]
+    lockstep, async_arm = arms
+    ideal_s = max(lockstep["sampling_s"], lockstep["training_s"])
+    columns = ("wall s", "ratio", "trainer idle", "generator busy", "dropped")
+    header = f"{'arm':10} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 6, 13, 15, 8), strict=True))
+    print("\n" + header)
+    for arm in arms:
+        print(
+            f"{arm['arm']:10} {arm['wall_s']:8.1f} {arm['wall_s'] / lockstep['wall_s']:6.2f} "
+            f"{arm['trainer_idle_fraction']:13.2f} {arm['timeline']['generator_busy_fraction']:15.2f} "
+            f"{arm['dropped_stale_groups']:8.0f}"
+        )
+    print(
+        f"{'ideal':10} {ideal_s:8.1f} {ideal_s / lockstep['wall_s']:6.2f}   "
+        f"(max of lockstep's rollout {lockstep['sampling_s']:.1f} s "
+        f"and training {lockstep['training_s']:.1f} s)"
+    )
+    print("\nreward per step")
+    for arm in arms:
+        print(f"  {arm['arm']:10} " + " ".join(f"{r:.3f}" for r in arm["reward_per_step"]))
+    report = {
+        "tool_latency_s": args.tool_latency,
+        "steps": base.num_steps,
+        "async_over_lockstep": async_arm["wall_s"] / lockstep["wall_s"],
+        "ideal_over_lockstep": ideal_s / lockstep["wall_s"],
+        "arms": [{k: v for k, v in arm.items() if not k.startswith("_")} for arm in arms],
+    }
+    print(f"\nasync / lockstep wall time: {report['async_over_lockstep']:.2f} (target <= 0.7)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.figure:
+        figure = timeline_figure([(arm["arm"], arm["_timeline"]) for arm in arms], title="bench_async")
+        figure.write_html(args.figure, include_plotlyjs=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,601 @@
+"""Write notebooks/04_async_grpo.ipynb from the cells below (without outputs).
+
+The notebook is generated so that its text and code can be reviewed as one Python file and
+regenerated after an edit: ``python scripts/make_notebook_04.py [--out PATH]``. Cell ids are derived
+from each cell's position and text, so regenerating an unchanged notebook changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "notebooks" / "04_async_grpo.ipynb"
+
+# (kind, text, tags): "md" or "code".
+CELLS: list[tuple[str, str, tuple[str, ...]]] = []
+
+
+def md(text: str) -> None:
+    """A markdown cell; a backslash ending a line joins it with the next (a long table row)."""
+    CELLS.append(("md", text.strip("\n").replace("\\\n", ""), ()))
+
+
+def code(text: str, *tags: str) -> None:
+    CELLS.append(("code", text.strip("\n"), tags))
+
+
+md(r"""
+# 04 · Async multi-turn GRPO on the tool-use game
+
+Notebook 03 trained the embedded model on the tool-use game in **lockstep**: each step plays all
+of its episodes, then trains on them, then hands the new weights to the generator. Each side waits
+for the other. While the trainer computes gradients the generator has nothing to do; while the
+episodes are played the trainer has nothing to do, and it waits for the *slowest* episode of the
+batch. In a multi-turn game that spread is wide: one episode answers at once, another makes four
+tool calls first.
+
+This notebook trains on the same task, from the same kind of warm-start, with **async GRPO**:
+rollout workers play groups of episodes all the time, and the trainer takes finished groups as
+they arrive. In order:
+
+1. what async changes, and the four settings that control it;
+2. an async run, with live plots of the reward, of how long the trainer waited for groups, of the
+   groups dropped as stale, and of the policy age of what it trained on;
+3. the same run in lockstep, from the same warm-started model;
+4. the measured timelines of both runs, one above the other, and a table of where their time went;
+5. the three weight-sync modes, a few steps each.
+
+`recipes/grpo/tool_use_game_async.py` holds the config used here; from a terminal,
+`python -m recipes.grpo.tool_use_game_async` runs it.
+""")
+
+code(r"""
+import dataclasses
+import math
+import os
+import shutil
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+from IPython.display import display
+
+from cookbook_lib.episode import EndCause
+from cookbook_lib.evaluate import read_episodes
+from cookbook_lib.grpo.config import ConfigError, WeightSyncType
+from cookbook_lib.grpo.lockstep import has_signal
+from cookbook_lib.grpo.train import TIMELINE_FILE, WARM_START_DIR, train_multi_turn
+from cookbook_lib.sft import expert_warm_start
+from cookbook_lib.timeline import WEIGHT_SYNC, Timeline, replica_lane
+from cookbook_lib.timeline_plots import idle_summary, timeline_figure
+from cookbook_lib.training_plots import ASYNC_PANELS, LiveTrainingPlots, metrics_table_figure
+from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
+from recipes.grpo.tool_use_game_async import async_demo_config
+""")
+
+md(r"""
+The next cell holds the notebook's parameters (tagged `parameters`, so papermill can set them).
+Run as it is, the notebook trains two runs of six steps (async and lockstep) and three runs of
+three steps (one per weight-sync mode): about 25 minutes on a 2-core CPU. The test suite sets
+`COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of two short episodes, to check
+that the notebook runs; the small runs learn nothing, and their timelines are mostly start-up.
+""")
+
+code(
+    r"""
+SMALL = os.environ.get("COOKBOOK_SMALL") == "1"  # set by the test suite: a quick run
+# GRPOConfig fields to change, in every run of the notebook; the rest is the async recipe's config.
+# checkpoint_interval=0: one checkpoint per run, at the end (each is over a gigabyte).
+OVERRIDES = (
+    dict(num_steps=2, batch_size=1, episodes_per_task=2, max_tokens_per_turn=16, max_turns=2)
+    if SMALL
+    else dict(num_steps=6, batch_size=2)
+)
+OVERRIDES |= dict(validation_interval=0, checkpoint_interval=0)  # validate at step 0 and at the end
+if "COOKBOOK_NB_STEPS" in os.environ:
+    OVERRIDES["num_steps"] = int(os.environ["COOKBOOK_NB_STEPS"])
+VAL_TASKS = int(os.environ.get("COOKBOOK_NB_VAL_TASKS", "2" if SMALL else "16"))  # held-out tasks
+WARM_START_DEMOS = int(os.environ.get("COOKBOOK_NB_WARM_START_DEMOS", "2" if SMALL else "64"))
+WARM_START_STEPS = int(os.environ.get("COOKBOOK_NB_WARM_START_STEPS", "1" if SMALL else "8"))
+# Steps of each of the three weight-sync runs in section 6 (they skip validation).
+SYNC_MODE_STEPS = int(os.environ.get("COOKBOOK_NB_SYNC_MODE_STEPS", "1" if SMALL else "3"))
+# Runs go to RUNS_DIR/RUN_NAME-async/ and RUN_NAME-lockstep/; "" = a fresh temporary folder,
+# deleted at the end (the small mode). The weight-sync runs always go to a temporary folder.
+RUNS_DIR = os.environ.get("COOKBOOK_RUNS_DIR", "" if SMALL else "runs")
+RUN_NAME = os.environ.get("COOKBOOK_RUN_NAME") or f"04-{datetime.now():%Y%m%d-%H%M%S}"
+""",
+    "parameters",
+)
+
+md(r"""
+## 1. What async changes
+
+A lockstep step is three phases in a row: sample `batch_size` groups, train on them, publish the
+new weights. Async GRPO splits the work into two loops joined by a queue of finished groups:
+
+- **rollout workers**, `groups_in_flight` of them: each picks the next task, plays one group of
+  `episodes_per_task` episodes with whatever weights its generator holds at that moment, puts the
+  finished group on the queue, and starts the next one;
+- **the trainer** takes groups off the queue until it holds `batch_size` groups with signal
+  (groups whose episodes all earned the same reward teach nothing and do not count, as in
+  lockstep), takes one optimizer step, publishes the new weights, and goes back to the queue.
+
+Neither loop waits for the other's whole phase. The generator keeps sampling while the trainer
+trains, and a slow episode holds up its own group only, not the step. The price is that the
+trainer now learns from episodes that an *older* policy played.
+
+### Policy age, staleness and `max_steps_off_policy`
+
+Each optimizer step that changes the weights makes a new **policy version**. A group remembers the
+version its generator held when its rollout *started*. When the trainer takes the group, its
+**policy age** is the number of optimizer steps since then: age 0 is what lockstep always trains
+on; age 1 means the episodes were played by the weights from before the last update.
+
+Slightly old episodes are still usable, because GRPO's loss already corrects for the difference.
+Every sampled token keeps the log-probability it was sampled with, and the loss weighs each token
+by the ratio of its probability under the current weights to that stored one, clipped to
+`[1 - clip_ratio_low, 1 + clip_ratio_high]`. In lockstep that ratio starts at 1. The older a
+group, the further its ratios drift from 1, the more of its tokens are clipped out of the
+gradient, and the less the step says about what the *current* policy should do.
+
+`max_steps_off_policy` is the bound. A group older than it is **stale**: the trainer drops it
+(counted in `async/dropped_stale_groups`, apart from `zero_variance_skip_ratio`), and a group still
+being played that has already grown too old is cancelled rather than played to the end for
+nothing. Setting the field at all is what turns async on; `None`, the default, is lockstep.
+
+Why **1** is the usual start: the episodes async exists to use are the ones played *while the
+trainer was stepping*, and by the time the trainer takes them they are one version behind. With
+`0` nearly all of them would be dropped, and the trainer would wait for fresh groups just as in
+lockstep, having thrown samples away on top. `1` admits exactly that overlap and keeps the
+correction small. Raise it only when many groups are dropped *and* generation is the bottleneck
+(many replicas, long episodes), and watch the validation reward when you do.
+
+### `groups_in_flight` and `num_generator_replicas`
+
+`groups_in_flight` is the number of groups played at the same time, i.e. of rollout workers; it
+defaults to `batch_size`. With exactly `batch_size` in flight, the trainer takes the last of them
+and then waits for a whole new batch to be played. With more, the next step's groups are already
+under way while it trains. Too many costs twice: every concurrent episode shares the same
+generator (here: the same two CPU cores), so each group takes longer; and a group that takes
+longer is older, maybe stale, when the trainer gets to it. The recipe uses `2 * batch_size`. The
+queue of finished groups is also capped at `groups_in_flight`, so a fast generator cannot pile up
+groups that will go stale.
+
+`num_generator_replicas` is the number of generator copies serving the rollouts; every weight
+update goes to each. On GPUs, use one per device. On this CPU a second copy would compete for the
+same two cores and double the memory and the weight copies, so the recipe uses 1.
+
+### Weight-sync modes
+
+`weight_sync_type` decides how a new version reaches the generators after an optimizer step:
+
+| mode | the trainer | the generator | a reply being sampled |
+| --- | --- | --- | --- |
+| `WEIGHT_SYNC_TYPE_SYNCHRONOUS` (default) | waits until every replica \
+holds the new weights | lets its running replies finish under the old weights, starts no new \
+one meanwhile, then loads | finishes under the version it started with |
+| `WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH` | hands a copy of the weights to a background publisher \
+and goes on at once | the same as synchronous, when the publisher gets to it | finishes under \
+the version it started with |
+| `WEIGHT_SYNC_TYPE_PIPELINE` | hands a copy over and goes on at once | switches between two \
+decode steps, without waiting for its replies | goes on under the new weights: one reply can \
+hold tokens of two versions |
+
+In every mode the *next turn* of an episode may be sampled by a newer version than its first
+turn; only PIPELINE switches inside a reply. That is safe for the loss, because each token is
+weighted with its own sampling log-probability and every token records the version that sampled
+it. The two deferred modes need async (the age bound is what limits the drift they allow), and
+PIPELINE also needs full-weight training (`use_lora=False`); `validate()` checks both.
+""")
+
+md(r"""
+## 2. The config
+
+`async_demo_config` is notebook 03's `demo_config` with the async settings added
+(`groups_in_flight` is computed from the final `batch_size`); the parameters cell shrinks it to fit
+the notebook's time. The lockstep run of section 4 uses the same config with
+`max_steps_off_policy=None`.
+""")
+
+code(r"""
+temporary_runs_dir = "" if RUNS_DIR else tempfile.mkdtemp(prefix="cookbook-04-")
+config = async_demo_config(run_name=f"{RUN_NAME}-async", runs_dir=RUNS_DIR or temporary_runs_dir, **OVERRIDES)
+for name in (
+    "model", "batch_size", "episodes_per_task", "num_steps", "max_turns", "max_tokens_per_turn",
+    "max_sampling_attempts", "sequential_validation", "max_steps_off_policy", "groups_in_flight",
+    "num_generator_replicas", "weight_sync_type",
+):
+    print(f"{name:24} {getattr(config, name)}")
+print(f"{'run_dir':24} {config.run_dir}")
+config.validate()
+""")
+
+md(r"""
+A deferred weight-sync mode without `max_steps_off_policy` is refused before anything loads:
+nothing would bound how far the generators fall behind the trainer.
+""")
+
+code(r"""
+try:
+    dataclasses.replace(
+        config, max_steps_off_policy=None, weight_sync_type="WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"
+    ).validate()
+except ConfigError as error:
+    print(error)
+else:
+    raise AssertionError("validate() accepted a deferred weight sync without async")
+""")
+
+md(r"""
+## 3. Warm-start once, then async GRPO
+
+The warm-start is notebook 03's: a few steps of supervised fine-tuning on a scripted expert's
+episodes, so that the model knows the tool-call format and some groups contain both successes and
+failures. It runs once, inside the async run, which saves the warm-started model as a complete
+model folder (weights and tokenizer) in `runs/<run>/warm_start_model/`. Every later run in this
+notebook starts from that folder with `model=`, so all of them start from the same weights.
+
+`sequential_validation=True` (the demo's setting) pauses rollouts while validating, so the
+validation reward is measured on its own and the two runs' validations take the same time.
+""")
+
+code(r"""
+train_tasks = load_tool_use_game_tasks("train")
+val_tasks = load_tool_use_game_tasks("val")[:VAL_TASKS]
+warm_start = expert_warm_start(
+    train_tasks,
+    lambda task: ToolUseGameEnv(),
+    make_tool_use_game_expert,
+    num_demonstrations=WARM_START_DEMOS,
+    steps=WARM_START_STEPS,
+    seed=config.seed,
+)
+print(f"{len(train_tasks)} training tasks, {len(val_tasks)} validation tasks")
+print(f"{len(warm_start.demonstrations)} demonstrations, {warm_start.steps} SFT steps")
+""")
+
+md(r"""
+`LiveTrainingPlots(..., panels=ASYNC_PANELS)` draws the async run's own panels after every step:
+
+- **Reward**: the training reward of the groups trained at each step, and the validation reward
+  at step 0 (the warm-started model) and at the end.
+- **Trainer wait per step**: seconds the trainer spent waiting for groups (`async/train_wait_s`),
+  with the whole step dashed. The first step waits for the first groups, as lockstep does; after
+  that, a wait close to the whole step means the generator is the bottleneck.
+- **Stale groups dropped per step** (`async/dropped_stale_groups`): near 0 with
+  `max_steps_off_policy=1`. Many drops mean groups take longer than a training step to play:
+  sampling wasted; fewer groups in flight, or a higher bound, would help.
+- **Policy age of trained groups**: mean and max age of the groups each step trained on. The max
+  never exceeds `max_steps_off_policy`. A mean near 1 means most groups were played during the
+  previous step: the overlap working. A mean near 0 means the trainer mostly waited for fresh
+  groups, close to lockstep.
+""")
+
+code(r"""
+async_live = LiveTrainingPlots(
+    num_steps=config.num_steps, run_dir=config.run_dir, panels=ASYNC_PANELS, title="Async GRPO (live)"
+)
+display(async_live.widget)
+async_result = train_multi_turn(
+    config,
+    tasks=train_tasks,
+    env_factory=lambda task: ToolUseGameEnv(),
+    val_tasks=val_tasks,
+    warm_start=warm_start,
+    on_step=async_live,
+)
+assert [m["step"] for m in async_result.metrics] == list(range(config.num_steps + 1))
+warm_model = async_result.run_dir / WARM_START_DIR
+print("the warm-started model, for the other runs:", warm_model)
+""")
+
+md(r"""
+Every async metric, one row per step. `groups in flight` and `waiting` are read at the end of
+the step: groups being played, and finished groups queued for the next step. `gen busy` is the
+share of the step the generator spent in forward passes.
+""")
+
+code(r"""
+ASYNC_COLUMNS = (
+    ("step", "step"),
+    ("reward_mean", "reward"),
+    ("val/reward_mean", "val reward"),
+    ("time/step_s", "step s"),
+    ("async/train_wait_s", "wait s"),
+    ("async/dropped_stale_groups", "dropped"),
+    ("async/policy_age_mean", "age mean"),
+    ("async/policy_age_max", "age max"),
+    ("async/groups_in_flight", "groups in flight"),
+    ("async/groups_waiting", "waiting"),
+    ("async/generator_busy_fraction", "gen busy"),
+)
+metrics_table_figure(async_result.metrics, columns=ASYNC_COLUMNS)
+""")
+
+md(r"""
+## 4. The same run in lockstep
+
+Same config, same warm-started weights, same validation tasks, `max_steps_off_policy=None`. The
+training tasks come from the same pool, though not in the same order: lockstep draws each step's
+tasks from the step number, async each group's task from the group's number.
+""")
+
+code(r"""
+lockstep_config = dataclasses.replace(
+    config,
+    run_name=f"{RUN_NAME}-lockstep",
+    model=str(warm_model),
+    max_steps_off_policy=None,
+    groups_in_flight=None,
+)
+lockstep_live = LiveTrainingPlots(
+    num_steps=lockstep_config.num_steps, run_dir=lockstep_config.run_dir, title="Lockstep GRPO (live)"
+)
+display(lockstep_live.widget)
+lockstep_result = train_multi_turn(
+    lockstep_config,
+    tasks=train_tasks,
+    env_factory=lambda task: ToolUseGameEnv(),
+    val_tasks=val_tasks,
+    on_step=lockstep_live,
+)
+assert [m["step"] for m in lockstep_result.metrics] == list(range(lockstep_config.num_steps + 1))
+""")
+
+md(r"""
+## 5. Where the time went
+
+### The timelines
+
+Every run records when each part of the system was busy, and with what, in
+`runs/<run>/timeline.jsonl`. `timeline_figure` draws the two runs one above the other, on an axis
+of seconds since each run started (after loading the model and, for the async run, the
+warm-start). How to read it:
+
+- each run has one lane per worker: the **trainer** on top, then **generator 0** (one lane per
+  replica);
+- on a generator lane, **sampling** is a forward pass of the model (a prefill or a decode step),
+  **env** is time inside an environment's `reset` or `step` (the tool calls), and **weight sync**
+  is the replica loading new weights;
+- on the trainer lane, **training** is the optimizer step (forward, backward, update), **weight
+  sync** is publishing the new weights, **validation** the held-out evaluation, and **waiting** the
+  trainer waiting for groups;
+- white is idle. Drag to zoom into a step; hover a bar for its times. (Spans less than 10 ms
+  apart are drawn as one.)
+
+In lockstep, the two lanes take turns: the trainer waits through the whole sampling phase, and the
+generator lane is white while the trainer trains. Look also at the end of each sampling phase:
+the last long episodes keep the generator busy with a batch of one or two, while the trainer still
+waits. In async, the generator lane should stay busy through the training spans, and the waiting
+left on the trainer lane is what async could not hide. Each row's title sums it up: the wall time,
+the share of it the trainer spent training, and the share the generators spent sampling.
+
+A caveat for this machine: the trainer and the generator are two threads on the *same two cores*.
+When they overlap, each runs slower than it would alone, so overlapping cannot double the
+throughput as it can when training and generation have their own GPUs. What async can win on a
+CPU are the stretches where one side leaves the cores underused: the tail of a sampling phase, the
+environment's turns, the gaps around each optimizer step. The table below measures what it won.
+""")
+
+code(r"""
+runs = {"lockstep": lockstep_result, "async": async_result}
+timelines = {name: Timeline.load(result.run_dir / TIMELINE_FILE) for name, result in runs.items()}
+timeline_figure(list(timelines.items()), title="Measured timelines: lockstep above async")
+""")
+
+md(r"""
+### Side by side
+
+`idle_summary` reads a timeline: the wall time, the share of it the trainer was *not* training
+(waiting, validating and syncing weights count as idle) and the share the generator spent
+sampling. The rest comes from `metrics.jsonl`: the summed step times (the GRPO steps alone,
+without the validations), the mean training reward, the validation reward before and after, and
+the stale groups dropped.
+""")
+
+code(r"""
+def mean(values):
+    values = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def run_summary(result, timeline):
+    steps = [m for m in result.metrics if m["step"] > 0]
+    idle = idle_summary(timeline.spans())
+    (_, val_before), (_, val_after) = result.validation_rewards()[0], result.validation_rewards()[-1]
+    return {
+        "wall time (s)": idle["wall_s"],
+        "GRPO steps (s)": sum(m["time/step_s"] for m in steps),
+        "train reward (mean)": mean(m.get("reward_mean") for m in steps),
+        "val reward, step 0": val_before,
+        "val reward, last step": val_after,
+        "trainer idle fraction": idle["trainer_idle_fraction"],
+        "generator busy fraction": idle["generator_busy_fraction"],
+        "dropped stale groups": sum(m.get("async/dropped_stale_groups", 0.0) for m in steps),
+        "policy age (mean)": mean(m.get("async/policy_age_mean", 0.0) for m in steps),
+    }
+
+
+summaries = {name: run_summary(runs[name], timelines[name]) for name in runs}
+print(f"{'':26}" + "".join(f"{name:>12}" for name in summaries))
+for row in summaries["lockstep"]:
+    print(f"{row:26}" + "".join(f"{summary[row]:12.3f}" for summary in summaries.values()))
+
+lock, asyn = summaries["lockstep"], summaries["async"]
+print(
+    f"\nAsync took {asyn['wall time (s)'] / lock['wall time (s)']:.0%} of lockstep's wall time "
+    f"({asyn['GRPO steps (s)'] / lock['GRPO steps (s)']:.0%} of its GRPO step time). The trainer was "
+    f"idle {lock['trainer idle fraction']:.0%} of the time in lockstep and "
+    f"{asyn['trainer idle fraction']:.0%} in async; the generator sampled "
+    f"{lock['generator busy fraction']:.0%} and {asyn['generator busy fraction']:.0%} of the time."
+)
+""")
+
+md(r"""
+How to read it: the wall times say which run finished first, but the rewards are not a race
+result. Both runs are short and noisy, and the async run trained on groups up to one version old.
+Over a few steps the two should learn about equally; async is worth it when its wall time per step
+is lower at no loss of validation reward. A trainer idle fraction well below lockstep's, with the
+generator as busy or busier, is the overlap at work. In the small mode (one or two steps of two
+episodes) the numbers are dominated by start-up and say nothing.
+""")
+
+md(r"""
+## 6. The three weight-sync modes
+
+Three more async runs, `SYNC_MODE_STEPS` steps each and no validation, from the same
+warm-started weights; only `weight_sync_type` changes. They also draw the same tasks, because a
+group's task depends only on the seed and the group's number. The table shows, per mode:
+
+- **s/step**: the mean step time;
+- **trainer sync s**: the trainer's time publishing, per step (`time/weight_sync_s`). Synchronous
+  waits for the generator to finish its running replies and load the weights; the deferred modes
+  return almost at once (what is left is copying the weights for the publisher);
+- **replica sync s**: the generator's total time loading weights (its *weight sync* spans);
+- **trainer idle**, **age**, **dropped**: as above. The deferred modes let the trainer go on before
+  the generator holds the new version, so groups may start on an older one;
+- **trained tokens**, **newer**: sampled tokens of the groups that trained, and how many of them a
+  newer policy version sampled than its episode's first token (read from each token's
+  `policy_versions` in `runs/<run>/episodes/step_*.jsonl`). Any mode can have such tokens in an
+  episode's later turns;
+- **mixed replies**: replies holding tokens of two versions. Only PIPELINE switches weights inside
+  a reply, so only its count can be above 0.
+
+With few steps, and none at all in the small mode, few or no weight updates happen while replies
+are running, and the counts can be 0. The runs go to a temporary folder that the cell deletes.
+""")
+
+code(r"""
+def version_mix(run_dir, config):
+    # (trained tokens, those sampled by a newer version than their episode's first token, mixed replies)
+    trained = newer = mixed = 0
+    size = config.episodes_per_task
+    for path in sorted((Path(run_dir) / "episodes").glob("step_*.jsonl")):
+        episodes = read_episodes(path)
+        for start in range(0, len(episodes), size):  # a step's file holds its groups one after another
+            group = episodes[start : start + size]
+            if not has_signal(group, config):
+                continue  # all rewards equal: nothing of this group was trained
+            for episode in group:
+                if episode.end_cause is EndCause.ERROR or (config.overlong_masking and episode.truncated):
+                    continue  # never trained
+                versions = [version for turn in episode.turns for version in turn.policy_versions]
+                trained += len(versions)
+                newer += sum(version > versions[0] for version in versions)
+                mixed += sum(len(set(turn.policy_versions)) > 1 for turn in episode.turns)
+    return trained, newer, mixed
+
+
+sync_runs_dir = tempfile.mkdtemp(prefix="cookbook-04-sync-")
+sync_rows = []
+try:
+    for mode in WeightSyncType:
+        short = mode.removeprefix("WEIGHT_SYNC_TYPE_").lower()
+        mode_config = dataclasses.replace(
+            config,
+            model=str(warm_model),
+            weight_sync_type=mode,
+            num_steps=SYNC_MODE_STEPS,
+            run_name=f"{RUN_NAME}-{short}",
+            runs_dir=sync_runs_dir,
+        )
+        print(f"--- {short}")
+        result = train_multi_turn(mode_config, tasks=train_tasks, env_factory=lambda task: ToolUseGameEnv())
+        steps = [m for m in result.metrics if m["step"] > 0]
+        timeline = Timeline.load(result.run_dir / TIMELINE_FILE)
+        sync_rows.append(
+            (
+                short,
+                mean(m["time/step_s"] for m in steps),
+                mean(m["time/weight_sync_s"] for m in steps),
+                timeline.busy_s(replica_lane(0), WEIGHT_SYNC),
+                idle_summary(timeline.spans())["trainer_idle_fraction"],
+                mean(m["async/policy_age_mean"] for m in steps),
+                max(m["async/policy_age_max"] for m in steps),
+                sum(m["async/dropped_stale_groups"] for m in steps),
+                *version_mix(result.run_dir, mode_config),
+            )
+        )
+finally:
+    shutil.rmtree(sync_runs_dir, ignore_errors=True)
+
+headers = ("mode", "s/step", "trainer sync s", "replica sync s", "trainer idle", "age mean", "age max",
+           "dropped", "trained tokens", "newer", "mixed replies")
+print("\n" + " ".join(f"{h:>14}" for h in headers))
+for row in sync_rows:
+    print(" ".join(f"{v:>14}" if isinstance(v, str | int) else f"{v:14.3f}" for v in row))
+""")
+
+md(r"""
+What to look for: the trainer's sync time drops in the deferred modes, because it no longer
+waits for the generator. The generator still loads the weights (replica sync s) and the loading
+still takes cores on a CPU, so the step time gains less than the trainer's sync time suggests. In
+exchange the deferred modes allow more drift, which the policy-age columns show, and PIPELINE
+mixes versions inside replies. On GPUs, where a weight transfer to remote generators takes real
+time, the deferred modes matter more than here, where the "transfer" is a memory copy.
+""")
+
+md(r"""
+A run without a `RUNS_DIR` (the small mode) deletes its temporary folder here: checkpoints hold
+the weights and the optimizer state, over a gigabyte for this model.
+""")
+
+code(r"""
+if temporary_runs_dir:
+    shutil.rmtree(temporary_runs_dir, ignore_errors=True)
+""")
+
+md(r"""
+## What to try next
+
+- **Longer runs.** `COOKBOOK_NB_STEPS=20` (or `python -m recipes.grpo.tool_use_game_async --steps
+  20`), and compare the validation curves of the two runs against wall time, not steps.
+- **The bound.** `max_steps_off_policy=0` drops almost every group that overlapped a training step:
+  watch `async/dropped_stale_groups` climb and the trainer wait grow. `2` admits older groups:
+  fewer drops, more clipped tokens (`train/clip_frac`).
+- **Groups in flight.** `groups_in_flight=batch_size` (the default) against `4 * batch_size`:
+  the first waits more, the second drops more and slows each group on a CPU.
+- **Weight sync.** `--weight-sync pipeline` on the recipe, for a longer run, and open its
+  episodes in `EpisodeViewer` (notebook 03): hovering a sampled token shows its policy version.
+- **GPUs.** With one generator replica per GPU (`num_generator_replicas`) and the trainer on its
+  own device, the two sides no longer share cores, and the overlap pays off fully.
+""")
+
+
+def cell_id(index: int, kind: str, text: str) -> str:
+    return hashlib.sha1(f"{index}/{kind}/{text}".encode()).hexdigest()[:8]
+
+
+def build() -> nbformat.NotebookNode:
+    notebook = new_notebook()
+    notebook.metadata = {
+        "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+    }
+    for index, (kind, text, tags) in enumerate(CELLS):
+        cell = new_markdown_cell(text) if kind == "md" else new_code_cell(text)
+        cell.id = cell_id(index, kind, text)
+        if tags:
+            cell.metadata["tags"] = list(tags)
+        notebook.cells.append(cell)
+    nbformat.validate(notebook)
+    return notebook
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    nbformat.write(build(), args.out)
+    print(f"wrote {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
