@@ -12,8 +12,12 @@ comparison is about scheduling, not about luck in finding signal.
 
 Arms: the same config, tasks, seed and starting weights; only the scheduling differs:
   lockstep  ``max_steps_off_policy=None``: sample the batch, then train, then publish;
-  async     ``max_steps_off_policy=1``, ``groups_in_flight=2 * batch_size``: rollouts go on while
-            the trainer trains; groups older than one step are dropped.
+  async     ``max_steps_off_policy=2``, ``groups_in_flight=8`` (twice the batch): rollouts go on
+            while the trainer trains; groups older than two steps are dropped. (With 1, the
+            8-reply groups rarely finished in time: async trained almost only 1-reply tasks.)
+Learning is compared on held-out tasks validated at step 0 and at the end (the training reward
+of each step is over the groups that arm trained on, and async favours the groups that finish
+first); the share of trained episodes by length shows that bias.
 Wall time is the sum of the GRPO steps' times from step 2 on (model loading and step 1's one-time
 costs excluded: they are the same for both; the JSON also has the total over all steps).
 The ideal bound is the slower of rollout alone and training alone, both measured in the lockstep
@@ -106,9 +110,24 @@ class ReviewedRepliesEnv(Env):
         return list(self._messages)
 
 
-def run_arm(name: str, config: GRPOConfig, tasks: list[Task], latency_s: float) -> dict:
+def trained_mix(run_dir: Path) -> dict[int, float]:
+    """The share of trained episodes by replies asked for: async favours groups that finish first."""
+    counts: dict[int, int] = {}
+    for path in sorted((run_dir / "episodes").glob("step_*.jsonl")):
+        for line in path.read_text().splitlines():
+            replies = json.loads(line)["task"]["metadata"]["replies"]
+            counts[replies] = counts.get(replies, 0) + 1
+    total = sum(counts.values()) or 1
+    return {replies: counts.get(replies, 0) / total for replies in REPLY_COUNTS}
+
+
+def run_arm(
+    name: str, config: GRPOConfig, tasks: list[Task], val_tasks: list[Task], latency_s: float
+) -> dict:
     started = time.perf_counter()
-    result = train_multi_turn(config, tasks=tasks, env_factory=lambda task: ReviewedRepliesEnv(latency_s))
+    result = train_multi_turn(
+        config, tasks=tasks, env_factory=lambda task: ReviewedRepliesEnv(latency_s), val_tasks=val_tasks
+    )
     all_steps = [m for m in result.metrics if m["step"] >= 1]
     # Step 1 carries one-time costs (optimizer state, first allocations): timed from step 2 on.
     steps = all_steps[1:] if len(all_steps) > 1 else all_steps
@@ -123,6 +142,8 @@ def run_arm(name: str, config: GRPOConfig, tasks: list[Task], latency_s: float) 
         / sum(m["time/step_s"] for m in steps),
         "all_steps_wall_s": sum(m["time/step_s"] for m in all_steps),
         "reward_per_step": [m["reward_mean"] for m in all_steps],
+        "val_reward": [(m["step"], m["val/reward_mean"]) for m in result.metrics if "val/reward_mean" in m],
+        "trained_mix": trained_mix(result.run_dir),
         "dropped_stale_groups": sum(m.get("async/dropped_stale_groups", 0) for m in all_steps),
         "policy_age_mean": [m.get("async/policy_age_mean", 0.0) for m in all_steps],
         "timeline": idle_summary(timeline.spans()),
@@ -134,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tool-latency", type=float, default=0.3)
+    parser.add_argument("--max-steps-off-policy", type=int, default=2)
+    parser.add_argument("--groups-in-flight", type=int, default=8)
+    parser.add_argument("--val-tasks", type=int, default=16, help="held-out tasks (validated at 0, end)")
     parser.add_argument("--quick", action="store_true", help="2 steps, short replies: a smoke check")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--figure", default=None, help="write the two timelines as HTML here")
@@ -143,7 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
         batch_size=4,
         episodes_per_task=4,
         num_steps=2 if args.quick else args.steps,
-        validation_interval=0,
+        validation_interval=0,  # validation at step 0 and at the end only
+        val_episodes_per_task=2,
+        sequential_validation=True,
         max_turns=8,
         max_model_length=1024,
         max_tokens_per_turn=12 if args.quick else 32,
@@ -155,16 +181,20 @@ def main(argv: list[str] | None = None) -> dict:
         run_name="lockstep",
         seed=0,
     )
-    tasks = bench_tasks(200, seed=0)
+    tasks, val_tasks = bench_tasks(200, seed=0), bench_tasks(args.val_tasks, seed=1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}")
     arms = [
-        run_arm("lockstep", base, tasks, args.tool_latency),
+        run_arm("lockstep", base, tasks, val_tasks, args.tool_latency),
         run_arm(
             "async",
             dataclasses.replace(
-                base, run_name="async", max_steps_off_policy=1, groups_in_flight=2 * base.batch_size
+                base,
+                run_name="async",
+                max_steps_off_policy=args.max_steps_off_policy,
+                groups_in_flight=args.groups_in_flight,
             ),
             tasks,
+            val_tasks,
             args.tool_latency,
         ),
     ]
@@ -184,9 +214,15 @@ def main(argv: list[str] | None = None) -> dict:
         f"(max of lockstep's rollout {lockstep['sampling_s']:.1f} s "
         f"and training {lockstep['training_s']:.1f} s)"
     )
-    print("\nreward per step")
+    print("\ntraining reward per step (over the groups each arm trained on)")
     for arm in arms:
         print(f"  {arm['arm']:10} " + " ".join(f"{r:.3f}" for r in arm["reward_per_step"]))
+    print("validation reward on the same held-out tasks (step: reward)")
+    for arm in arms:
+        print(f"  {arm['arm']:10} " + "  ".join(f"{step}: {r:.3f}" for step, r in arm["val_reward"]))
+    print("share of trained episodes by replies asked for (1, 2, 4, 8)")
+    for arm in arms:
+        print(f"  {arm['arm']:10} " + " ".join(f"{share:.2f}" for share in arm["trained_mix"].values()))
     report = {
         "tool_latency_s": args.tool_latency,
         "steps": base.num_steps,
