@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -95,7 +94,7 @@ class RolloutCollector:
         self.next_group_index = first_group_index
         self.dropped_stale = 0  # running totals
         self.cancelled_stale = 0
-        self._finished: deque[CollectedGroup] = deque()
+        self._finished: list[CollectedGroup] = []
         self._error: BaseException | None = None
         self._in_flight: dict[asyncio.Task[list[Episode]], int] = {}  # group task -> start version
         self._load = [0] * replicas.size  # groups in flight per replica
@@ -122,12 +121,18 @@ class RolloutCollector:
             ]
 
     async def take(self) -> CollectedGroup:
-        """The oldest finished group (waiting for one); raises what a worker's group raised."""
+        """The finished group that started first (waiting for one); raises what a worker's group raised.
+
+        Oldest-started, not first-finished: a long group that finishes behind several short
+        ones is taken before them, while it is still young enough. First-finished order trains
+        almost only short episodes when lengths are long-tailed (measured: bench/bench_async.py).
+        """
         self.start()
         await self.replicas.wait_for(lambda: bool(self._finished) or self._error is not None)
         if self._error is not None:
             raise self._error
-        group = self._finished.popleft()
+        oldest = min(range(len(self._finished)), key=lambda i: self._finished[i].index)
+        group = self._finished.pop(oldest)
         await self.replicas.notify()  # room in the queue: a worker may start
         return group
 
