@@ -216,6 +216,7 @@ async def _train(
         # Cancel what is in flight first (each episode closes its environment), then the generators.
         if collector is not None:
             await collector.stop()
+            await async_grpo.close()
         log.close()
         await replicas.close()
         timeline.save(run_dir / TIMELINE_FILE)
