@@ -81,30 +81,33 @@ from recipes.grpo.tool_use_game_async import async_demo_config
 
 md(r"""
 The next cell holds the notebook's parameters (tagged `parameters`, so papermill can set them).
-Run as it is, the notebook trains two runs of six steps (async and lockstep) and three runs of
-three steps (one per weight-sync mode): about 25 minutes on a 2-core CPU. The test suite sets
-`COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of two short episodes, to check
-that the notebook runs; the small runs learn nothing, and their timelines are mostly start-up.
+Run as it is, the notebook trains two runs of four steps (async and lockstep) and three runs of
+two steps (one per weight-sync mode): about 25 minutes on a 2-core CPU, and up to about 15 GB of
+memory. The test suite sets `COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of
+two short episodes, to check that the notebook runs; the small runs learn nothing, and their
+timelines are mostly start-up.
 """)
 
 code(
     r"""
 SMALL = os.environ.get("COOKBOOK_SMALL") == "1"  # set by the test suite: a quick run
 # GRPOConfig fields to change, in every run of the notebook; the rest is the async recipe's config.
-# checkpoint_interval=0: one checkpoint per run, at the end (each is over a gigabyte).
 OVERRIDES = (
     dict(num_steps=2, batch_size=1, episodes_per_task=2, max_tokens_per_turn=16, max_turns=2)
     if SMALL
-    else dict(num_steps=6, batch_size=2)
+    else dict(num_steps=4, batch_size=2)
 )
-OVERRIDES |= dict(validation_interval=0, checkpoint_interval=0)  # validate at step 0 and at the end
+# Validate at step 0 and at the end only; one checkpoint per run, at the end (each is over a
+# gigabyte). micro_batch_tokens: the trainer's memory grows by about 2 GB per 1000 tokens of a
+# micro-batch (the logits over the whole vocabulary), and an async run trains while it samples.
+OVERRIDES |= dict(validation_interval=0, checkpoint_interval=0, micro_batch_tokens=2048)
 if "COOKBOOK_NB_STEPS" in os.environ:
     OVERRIDES["num_steps"] = int(os.environ["COOKBOOK_NB_STEPS"])
-VAL_TASKS = int(os.environ.get("COOKBOOK_NB_VAL_TASKS", "2" if SMALL else "16"))  # held-out tasks
+VAL_TASKS = int(os.environ.get("COOKBOOK_NB_VAL_TASKS", "2" if SMALL else "10"))  # held-out tasks
 WARM_START_DEMOS = int(os.environ.get("COOKBOOK_NB_WARM_START_DEMOS", "2" if SMALL else "64"))
 WARM_START_STEPS = int(os.environ.get("COOKBOOK_NB_WARM_START_STEPS", "1" if SMALL else "8"))
 # Steps of each of the three weight-sync runs in section 6 (they skip validation).
-SYNC_MODE_STEPS = int(os.environ.get("COOKBOOK_NB_SYNC_MODE_STEPS", "1" if SMALL else "3"))
+SYNC_MODE_STEPS = int(os.environ.get("COOKBOOK_NB_SYNC_MODE_STEPS", "1" if SMALL else "2"))
 # Runs go to RUNS_DIR/RUN_NAME-async/ and RUN_NAME-lockstep/; "" = a fresh temporary folder,
 # deleted at the end (the small mode). The weight-sync runs always go to a temporary folder.
 RUNS_DIR = os.environ.get("COOKBOOK_RUNS_DIR", "" if SMALL else "runs")
@@ -370,10 +373,11 @@ warm-start). How to read it:
   apart are drawn as one.)
 
 In lockstep, the two lanes take turns: the trainer waits through the whole sampling phase, and the
-generator lane is white while the trainer trains. Look also at the end of each sampling phase:
-the last long episodes keep the generator busy with a batch of one or two, while the trainer still
-waits. In async, the generator lane should stay busy through the training spans, and the waiting
-left on the trainer lane is what async could not hide. Each row's title sums it up: the wall time,
+generator lane is white while the trainer trains. The end of each sampling phase wastes more than
+it shows: the last long episodes keep the generator "busy" with a batch of one or two replies,
+a fraction of what it could decode at once, while the trainer still waits. In async, the
+generator lane should stay busy through the training spans, and the waiting left on the trainer
+lane is what async could not hide. Each row's title sums it up: the wall time,
 the share of it the trainer spent training, and the share the generators spent sampling.
 
 A caveat for this machine: the trainer and the generator are two threads on the *same two cores*.
@@ -525,11 +529,12 @@ try:
 finally:
     shutil.rmtree(sync_runs_dir, ignore_errors=True)
 
-headers = ("mode", "s/step", "trainer sync s", "replica sync s", "trainer idle", "age mean", "age max",
-           "dropped", "trained tokens", "newer", "mixed replies")
-print("\n" + " ".join(f"{h:>14}" for h in headers))
-for row in sync_rows:
-    print(" ".join(f"{v:>14}" if isinstance(v, str | int) else f"{v:14.3f}" for v in row))
+columns = ("s/step", "trainer sync s", "replica sync s", "trainer idle", "age mean", "age max", "dropped",
+           "trained tokens", "newer", "mixed replies")
+print(f"\n{'':16}" + "".join(f"{row[0]:>20}" for row in sync_rows))
+for i, column in enumerate(columns, start=1):
+    cells = (f"{row[i]:20d}" if isinstance(row[i], int) else f"{row[i]:20.3f}" for row in sync_rows)
+    print(f"{column:16}" + "".join(cells))
 """)
 
 md(r"""
