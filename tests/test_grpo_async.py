@@ -252,7 +252,15 @@ def test_a_keyboard_interrupt_in_a_notebook_cancels_rollouts_and_closes_envs(tin
     log = EnvLog()
     threads_before = our_threads()
     config = async_config(tiny_model_dir, tmp_path, num_steps=300)
-    timer = threading.Timer(3.0, _thread.interrupt_main)
+
+    def interrupt_once_training_runs() -> None:
+        # Not a fixed delay: on a loaded machine the run may still be loading its model.
+        deadline = time.monotonic() + 120
+        while log.created < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    timer = threading.Thread(target=interrupt_once_training_runs, daemon=True)
 
     async def notebook_cell():
         # A running loop, as in Jupyter: train_multi_turn runs on a helper thread.
@@ -264,7 +272,7 @@ def test_a_keyboard_interrupt_in_a_notebook_cancels_rollouts_and_closes_envs(tin
     with pytest.raises(KeyboardInterrupt):
         loop.run_until_complete(notebook_cell())
     loop.close()
-    timer.cancel()
+    timer.join()
     assert log.created == log.closed > 0
     assert our_threads() <= threads_before
     steps_done = len(read_metrics(tmp_path / "async"))
