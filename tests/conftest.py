@@ -46,3 +46,15 @@ def sharpen():
 @pytest.fixture(scope="module")
 def sharp_model(tiny_model_and_tokenizer):
     return _sharpen(tiny_model_and_tokenizer[0], seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny random model saved like any local model, so configs can name it."""
+    from cookbook_lib.models import tiny_random_model
+
+    model, tokenizer = tiny_random_model(seed=0, embedding_scale=10.0)
+    folder = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -35,15 +35,6 @@ BACKGROUND = WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH
 PIPELINE = WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    model, tokenizer = models.tiny_random_model(seed=0, embedding_scale=10.0)
-    folder = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 class EnvLog:
     """What every environment of a run did: created, closed, and when each step ran."""
 

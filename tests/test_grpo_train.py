@@ -19,16 +19,6 @@ from cookbook_lib.types import Message
 SEED_METRICS = ["terminated_ratio", "truncated_ratio", "context_overflow_ratio", "parse_failure_ratio"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """The tiny random model saved like any local model, so configs can name it."""
-    model, tokenizer = models.tiny_random_model(seed=0, embedding_scale=10.0)
-    folder = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def vowel_share(task: Task, reply: str) -> float:
     """A trivially learnable reward for a random model: 1 when its first letter is a vowel."""
     letters = [c for c in reply.lower() if c.isalpha()]
