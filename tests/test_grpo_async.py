@@ -12,6 +12,7 @@ import asyncio
 import copy
 import json
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -258,11 +259,17 @@ def test_a_keyboard_interrupt_in_a_notebook_cancels_rollouts_and_closes_envs(tin
         timer.start()
         train_multi_turn(config, tasks=TASKS, env_factory=env_factory_for(log))
 
-    # Jupyter's loop, unlike asyncio.run's, leaves SIGINT to Python: KeyboardInterrupt is raised.
+    # Jupyter's loop, unlike asyncio.run's, leaves SIGINT to Python's own handler (ipykernel sets
+    # it while a cell runs): KeyboardInterrupt is raised. Set here too, because other libraries
+    # imported by earlier tests (W&B) may have replaced it, and interrupt_main then does nothing.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     loop = asyncio.new_event_loop()
-    with pytest.raises(KeyboardInterrupt):
-        loop.run_until_complete(notebook_cell())
-    loop.close()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(notebook_cell())
+    finally:
+        loop.close()
+        signal.signal(signal.SIGINT, previous)
     timer.join()
     assert log.created == log.closed > 0
     assert our_threads() <= threads_before
