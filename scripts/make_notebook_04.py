@@ -57,6 +57,7 @@ they arrive. In order:
 
 code(r"""
 import dataclasses
+import gc
 import math
 import os
 import shutil
@@ -76,16 +77,18 @@ from cookbook_lib.timeline import WEIGHT_SYNC, Timeline, replica_lane
 from cookbook_lib.timeline_plots import idle_summary, timeline_figure
 from cookbook_lib.training_plots import ASYNC_PANELS, LiveTrainingPlots, metrics_table_figure
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
+from recipes.grpo.tool_use_game import DEMO_TIERS
 from recipes.grpo.tool_use_game_async import async_demo_config
 """)
 
 md(r"""
 The next cell holds the notebook's parameters (tagged `parameters`, so papermill can set them).
 Run as it is, the notebook trains two runs of four steps (async and lockstep) and three runs of
-two steps (one per weight-sync mode): about 25 minutes on a 2-core CPU, and up to about 15 GB of
-memory. The test suite sets `COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of
-two short episodes, to check that the notebook runs; the small runs learn nothing, and their
-timelines are mostly start-up.
+two steps (one per weight-sync mode): about 25 minutes on a 2-core CPU. Give it 16 GB of memory;
+starting Jupyter with `MALLOC_ARENA_MAX=2` in the environment lowers the peak (otherwise glibc
+keeps, per thread, much of the memory that each training step frees). The test suite sets
+`COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of two short episodes, to check
+that the notebook runs; the small runs learn nothing, and their timelines are mostly start-up.
 """)
 
 code(
@@ -106,6 +109,7 @@ if "COOKBOOK_NB_STEPS" in os.environ:
 VAL_TASKS = int(os.environ.get("COOKBOOK_NB_VAL_TASKS", "2" if SMALL else "10"))  # held-out tasks
 WARM_START_DEMOS = int(os.environ.get("COOKBOOK_NB_WARM_START_DEMOS", "2" if SMALL else "64"))
 WARM_START_STEPS = int(os.environ.get("COOKBOOK_NB_WARM_START_STEPS", "1" if SMALL else "8"))
+TIERS = os.environ.get("COOKBOOK_NB_TIERS", DEMO_TIERS)  # task tiers GRPO trains and validates on
 # Steps of each of the three weight-sync runs in section 6 (they skip validation).
 SYNC_MODE_STEPS = int(os.environ.get("COOKBOOK_NB_SYNC_MODE_STEPS", "1" if SMALL else "2"))
 # Runs go to RUNS_DIR/RUN_NAME-async/ and RUN_NAME-lockstep/; "" = a fresh temporary folder,
@@ -158,6 +162,14 @@ trainer was stepping*, and by the time the trainer takes them they are one versi
 lockstep, having thrown samples away on top. `1` admits exactly that overlap and keeps the
 correction small. Raise it only when many groups are dropped *and* generation is the bottleneck
 (many replicas, long episodes), and watch the validation reward when you do.
+
+Dropping stale groups is not neutral, though. The groups that take longest to play (many turns,
+slow tools) are the ones most likely to be too old when they finish, so a tight bound leaves
+training with mostly the quick episodes: a *length bias*. For a task whose reward depends on long
+episodes, that under-trains exactly what matters. The trainer takes the oldest-started finished
+group first, which helps; if `async/dropped_stale_groups` stays high and the dropped groups are
+the long ones, a bound of 2 is the usual next step. (`docs/benchmarks.md` measures this bias on a
+workload with a slow tool.)
 
 ### `groups_in_flight` and `num_generator_replicas`
 
@@ -238,28 +250,34 @@ else:
 md(r"""
 ## 3. Warm-start once, then async GRPO
 
-The warm-start is notebook 03's: a few steps of supervised fine-tuning on a scripted expert's
-episodes, so that the model knows the tool-call format and some groups contain both successes and
-failures. It runs once, inside the async run, which saves the warm-started model as a complete
+The warm-start and the tasks are the recipe's: a few steps of supervised fine-tuning on a scripted
+expert's episodes of every tier, so that the model knows the tool-call format, then GRPO on the
+tier-1 tasks (look a fact up by its key, answer with it), which the warm-started model solves
+often enough that most groups hold both successes and failures. Harder tiers start near 0 and
+give a short CPU run almost no signal (`TIERS` changes this).
+
+The warm-start runs once, inside the async run, which saves the warm-started model as a complete
 model folder (weights and tokenizer) in `runs/<run>/warm_start_model/`. Every later run in this
 notebook starts from that folder with `model=`, so all of them start from the same weights.
 
 `sequential_validation=True` (the demo's setting) pauses rollouts while validating, so the
-validation reward is measured on its own and the two runs' validations take the same time.
+validation reward is measured on its own, and the two runs' validations cost about the same.
 """)
 
 code(r"""
-train_tasks = load_tool_use_game_tasks("train")
-val_tasks = load_tool_use_game_tasks("val")[:VAL_TASKS]
+tiers = {int(tier) for tier in TIERS.split(",")}
+all_train_tasks = load_tool_use_game_tasks("train")
+train_tasks = [task for task in all_train_tasks if task.metadata["tier"] in tiers]
+val_tasks = [task for task in load_tool_use_game_tasks("val") if task.metadata["tier"] in tiers][:VAL_TASKS]
 warm_start = expert_warm_start(
-    train_tasks,
+    all_train_tasks,  # the warm-start shows every tier: the whole format, whatever GRPO trains on
     lambda task: ToolUseGameEnv(),
     make_tool_use_game_expert,
     num_demonstrations=WARM_START_DEMOS,
     steps=WARM_START_STEPS,
     seed=config.seed,
 )
-print(f"{len(train_tasks)} training tasks, {len(val_tasks)} validation tasks")
+print(f"tiers {sorted(tiers)}: {len(train_tasks)} training tasks, {len(val_tasks)} validation tasks")
 print(f"{len(warm_start.demonstrations)} demonstrations, {warm_start.steps} SFT steps")
 """)
 
@@ -377,14 +395,15 @@ generator lane is white while the trainer trains. The end of each sampling phase
 it shows: the last long episodes keep the generator "busy" with a batch of one or two replies,
 a fraction of what it could decode at once, while the trainer still waits. In async, the
 generator lane should stay busy through the training spans, and the waiting left on the trainer
-lane is what async could not hide. Each row's title sums it up: the wall time,
-the share of it the trainer spent training, and the share the generators spent sampling.
+lane is what async could not hide. Each row's title sums it up: the wall time, the share of it
+the trainer spent training, and the share the generators spent sampling.
 
 A caveat for this machine: the trainer and the generator are two threads on the *same two cores*.
 When they overlap, each runs slower than it would alone, so overlapping cannot double the
 throughput as it can when training and generation have their own GPUs. What async can win on a
 CPU are the stretches where one side leaves the cores underused: the tail of a sampling phase, the
-environment's turns, the gaps around each optimizer step. The table below measures what it won.
+gaps around each optimizer step, and the environment's turns (instant in this game, often seconds
+for a real tool). The table below measures what it won.
 """)
 
 code(r"""
@@ -496,36 +515,39 @@ def version_mix(run_dir, config):
     return trained, newer, mixed
 
 
+def sync_mode_row(mode, runs_dir):
+    short = mode.removeprefix("WEIGHT_SYNC_TYPE_").lower()
+    mode_config = dataclasses.replace(
+        config,
+        model=str(warm_model),
+        weight_sync_type=mode,
+        num_steps=SYNC_MODE_STEPS,
+        run_name=f"{RUN_NAME}-{short}",
+        runs_dir=runs_dir,
+    )
+    print(f"--- {short}")
+    result = train_multi_turn(mode_config, tasks=train_tasks, env_factory=lambda task: ToolUseGameEnv())
+    steps = [m for m in result.metrics if m["step"] > 0]
+    timeline = Timeline.load(result.run_dir / TIMELINE_FILE)
+    return (
+        short,
+        mean(m["time/step_s"] for m in steps),
+        mean(m["time/weight_sync_s"] for m in steps),
+        timeline.busy_s(replica_lane(0), WEIGHT_SYNC),
+        idle_summary(timeline.spans())["trainer_idle_fraction"],
+        mean(m["async/policy_age_mean"] for m in steps),
+        max(m["async/policy_age_max"] for m in steps),
+        sum(m["async/dropped_stale_groups"] for m in steps),
+        *version_mix(result.run_dir, mode_config),
+    )
+
+
 sync_runs_dir = tempfile.mkdtemp(prefix="cookbook-04-sync-")
 sync_rows = []
 try:
     for mode in WeightSyncType:
-        short = mode.removeprefix("WEIGHT_SYNC_TYPE_").lower()
-        mode_config = dataclasses.replace(
-            config,
-            model=str(warm_model),
-            weight_sync_type=mode,
-            num_steps=SYNC_MODE_STEPS,
-            run_name=f"{RUN_NAME}-{short}",
-            runs_dir=sync_runs_dir,
-        )
-        print(f"--- {short}")
-        result = train_multi_turn(mode_config, tasks=train_tasks, env_factory=lambda task: ToolUseGameEnv())
-        steps = [m for m in result.metrics if m["step"] > 0]
-        timeline = Timeline.load(result.run_dir / TIMELINE_FILE)
-        sync_rows.append(
-            (
-                short,
-                mean(m["time/step_s"] for m in steps),
-                mean(m["time/weight_sync_s"] for m in steps),
-                timeline.busy_s(replica_lane(0), WEIGHT_SYNC),
-                idle_summary(timeline.spans())["trainer_idle_fraction"],
-                mean(m["async/policy_age_mean"] for m in steps),
-                max(m["async/policy_age_max"] for m in steps),
-                sum(m["async/dropped_stale_groups"] for m in steps),
-                *version_mix(result.run_dir, mode_config),
-            )
-        )
+        sync_rows.append(sync_mode_row(mode, sync_runs_dir))
+        gc.collect()  # the finished run's model, before the next one loads its own
 finally:
     shutil.rmtree(sync_runs_dir, ignore_errors=True)
 
