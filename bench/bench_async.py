@@ -3,6 +3,7 @@
     python bench/bench_async.py                   # 6 steps each, a 0.3 s tool, long-tailed episodes
     python bench/bench_async.py --quick           # a smoke check (2 steps, short replies)
     python bench/bench_async.py --out runs/bench_async.json --figure runs/bench_async_timeline.html
+    python bench/bench_async.py --stale-groups prevent requeue drop   # one async arm per rule
 
 Workload, the issue's: every assistant reply goes to a review tool that takes ``--tool-latency``
 seconds (0.3 s, as real API tools do) before the environment answers, and episode lengths are
@@ -13,11 +14,21 @@ comparison is about scheduling, not about luck in finding signal.
 Arms: the same config, tasks, seed and starting weights; only the scheduling differs:
   lockstep  ``max_steps_off_policy=None``: sample the batch, then train, then publish;
   async     ``max_steps_off_policy=2``, ``groups_in_flight=8`` (twice the batch): rollouts go on
-            while the trainer trains; groups older than two steps are dropped. (With 1, the
-            8-reply groups rarely finished in time: async trained almost only 1-reply tasks.)
+            while the trainer trains; no trained group is older than two steps. One arm per
+            ``--stale-groups`` rule (``prevent``, the default, ``requeue``, ``drop``), each named
+            ``async-<rule>``.
 Learning is compared on held-out tasks validated at step 0 and at the end (the training reward
-of each step is over the groups that arm trained on, and async favours the groups that finish
-first); the share of trained episodes by length shows that bias.
+of each step is over the groups that arm trained on).
+
+Targets (issue 13), checked for each async arm and printed met / NOT met:
+  - length mix: the share of trained episodes in each length bucket (assistant turns, the
+    ``length/*`` metrics) within 5 points of lockstep's;
+  - wall time at most 0.6x lockstep's over the same number of steps;
+  - held-out validation at the end at least lockstep's minus 0.02;
+  - no trained token older than ``max_steps_off_policy``, read from the per-token policy
+    versions in the dumped episodes (as tests/test_grpo_async.py does).
+The load average is printed at the start and the end: the wall-time ratio means nothing when
+other jobs take the cores.
 Wall time is the sum of the GRPO steps' times from step 2 on (model loading and step 1's one-time
 costs excluded: they are the same for both; the JSON also has the total over all steps).
 The ideal bound is the slower of rollout alone and training alone, both measured in the lockstep
@@ -31,17 +42,21 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import platform
 import random
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from cookbook_lib.envs import Env, StepResult, Task
-from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.config import GRPOConfig, StaleGroups
+from cookbook_lib.grpo.length_mix import length_mix_summary
 from cookbook_lib.grpo.train import TIMELINE_FILE, train_multi_turn
+from cookbook_lib.length_mix_plots import length_mix_figure
 from cookbook_lib.timeline import Timeline
 from cookbook_lib.timeline_plots import idle_summary, timeline_figure
 from cookbook_lib.types import Message, ToolSpec
@@ -52,6 +67,9 @@ TOPICS = [
 ]  # fmt: skip
 REPLY_COUNTS, REPLY_WEIGHTS = (1, 2, 4, 8), (0.6, 0.2, 0.1, 0.1)
 LONGEST_REPLY_CHARS = 160
+MIX_TOLERANCE = 0.05  # the targets (see the module doc)
+WALL_RATIO_TARGET = 0.6
+VALIDATION_TOLERANCE = 0.02
 
 
 def bench_tasks(count: int, seed: int) -> list[Task]:
@@ -110,21 +128,27 @@ class ReviewedRepliesEnv(Env):
         return list(self._messages)
 
 
-def trained_mix(run_dir: Path) -> dict[int, float]:
-    """The share of trained episodes by replies asked for: async favours groups that finish first."""
-    counts: dict[int, int] = {}
-    for path in sorted((run_dir / "episodes").glob("step_*.jsonl")):
-        for line in path.read_text().splitlines():
-            replies = json.loads(line)["task"]["metadata"]["replies"]
-            counts[replies] = counts.get(replies, 0) + 1
-    total = sum(counts.values()) or 1
-    return {replies: counts.get(replies, 0) / total for replies in REPLY_COUNTS}
+def oldest_trained_token_age(run_dir: Path, metrics: list[dict]) -> int:
+    """The largest policy age of any token the run trained on, from the dumped per-token versions.
+
+    A token's age at step ``s`` is the version the trainer held before the step minus the version
+    that sampled it; it does not trust the loop's own ``async/policy_age_*`` bookkeeping.
+    """
+    version_before, oldest = 0, 0
+    for record in sorted((m for m in metrics if m["step"] >= 1), key=lambda m: m["step"]):
+        path = run_dir / "episodes" / f"step_{record['step']:06d}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            versions = [v for turn in json.loads(line)["turns"] for v in turn["policy_versions"]]
+            if versions:
+                oldest = max(oldest, version_before - min(versions))
+        version_before = int(record["policy_version"])
+    return oldest
 
 
 def run_arm(
     name: str, config: GRPOConfig, tasks: list[Task], val_tasks: list[Task], latency_s: float
 ) -> dict:
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     result = train_multi_turn(
         config, tasks=tasks, env_factory=lambda task: ReviewedRepliesEnv(latency_s), val_tasks=val_tasks
     )
@@ -132,8 +156,11 @@ def run_arm(
     # Step 1 carries one-time costs (optimizer state, first allocations): timed from step 2 on.
     steps = all_steps[1:] if len(all_steps) > 1 else all_steps
     timeline = Timeline.load(result.run_dir / TIMELINE_FILE)
+    # By assistant turns: buckets 1, 2, 3-4 and 5-8 are the tasks asking for 1, 2, 4 and 8 replies.
+    mix = length_mix_summary(result.metrics)
     summary = {
         "arm": name,
+        "load_average_before": load_before,
         "wall_s": sum(m["time/step_s"] for m in steps),
         "process_s": time.perf_counter() - started,
         "sampling_s": sum(m["time/sampling_s"] for m in steps),
@@ -143,12 +170,50 @@ def run_arm(
         "all_steps_wall_s": sum(m["time/step_s"] for m in all_steps),
         "reward_per_step": [m["reward_mean"] for m in all_steps],
         "val_reward": [(m["step"], m["val/reward_mean"]) for m in result.metrics if "val/reward_mean" in m],
-        "trained_mix": trained_mix(result.run_dir),
+        "trained_mix": {bucket.bucket: bucket.trained_episodes_share for bucket in mix},
+        "trained_token_mix": {bucket.bucket: bucket.trained_tokens_share for bucket in mix},
+        "dropped_share_by_length": {bucket.bucket: bucket.dropped_share for bucket in mix},
+        "oldest_trained_token_age": oldest_trained_token_age(result.run_dir, result.metrics),
+        "max_steps_off_policy": config.max_steps_off_policy or 0,
         "dropped_stale_groups": sum(m.get("async/dropped_stale_groups", 0) for m in all_steps),
         "policy_age_mean": [m.get("async/policy_age_mean", 0.0) for m in all_steps],
         "timeline": idle_summary(timeline.spans()),
     }
-    return summary | {"_timeline": timeline}
+    return summary | {
+        "_timeline": timeline,
+        "_metrics": result.metrics,
+        "load_average_after": os.getloadavg(),
+    }
+
+
+def targets(arm: dict, lockstep: dict) -> dict[str, tuple[bool, str]]:
+    """Each target of the module doc for one async arm: (met, the figures behind it)."""
+    buckets = sorted(set(arm["trained_mix"]) | set(lockstep["trained_mix"]), key=_bucket_start)
+    gaps = {b: arm["trained_mix"].get(b, 0.0) - lockstep["trained_mix"].get(b, 0.0) for b in buckets}
+    worst = max(gaps, key=lambda b: abs(gaps[b]))
+    ratio = arm["wall_s"] / lockstep["wall_s"]
+    val, lock_val = arm["val_reward"][-1][1], lockstep["val_reward"][-1][1]
+    age, bound = arm["oldest_trained_token_age"], arm["max_steps_off_policy"]
+    return {
+        "length mix": (
+            abs(gaps[worst]) <= MIX_TOLERANCE,
+            f"largest gap {gaps[worst]:+.3f} ({worst}); allowed +-{MIX_TOLERANCE}",
+        ),
+        "wall time": (ratio <= WALL_RATIO_TARGET, f"{ratio:.2f}x lockstep; target <= {WALL_RATIO_TARGET}x"),
+        "validation": (
+            val >= lock_val - VALIDATION_TOLERANCE,
+            f"{val:.3f} vs lockstep {lock_val:.3f}; target >= {lock_val - VALIDATION_TOLERANCE:.3f}",
+        ),
+        "token age": (age <= bound, f"oldest trained token {age} steps; bound {bound}"),
+    }
+
+
+def _load() -> str:
+    return " ".join(f"{value:.1f}" for value in os.getloadavg())
+
+
+def _bucket_start(bucket: str) -> int:
+    return int(bucket.removeprefix("turns_").split("-")[0])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -157,6 +222,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tool-latency", type=float, default=0.3)
     parser.add_argument("--max-steps-off-policy", type=int, default=2)
     parser.add_argument("--groups-in-flight", type=int, default=8)
+    parser.add_argument(
+        "--stale-groups",
+        nargs="+",
+        default=["prevent"],
+        choices=get_args(StaleGroups),
+        help="one async arm per rule (GRPOConfig.stale_groups)",
+    )
+    parser.add_argument("--mix-figure", default=None, help="write the length mix of every arm as HTML here")
     parser.add_argument("--val-tasks", type=int, default=16, help="held-out tasks (validated at 0, end)")
     parser.add_argument("--quick", action="store_true", help="2 steps, short replies: a smoke check")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -183,59 +256,71 @@ def main(argv: list[str] | None = None) -> dict:
     )
     tasks, val_tasks = bench_tasks(200, seed=0), bench_tasks(args.val_tasks, seed=1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}")
-    arms = [
-        run_arm("lockstep", base, tasks, val_tasks, args.tool_latency),
-        run_arm(
-            "async",
-            dataclasses.replace(
-                base,
-                run_name="async",
-                max_steps_off_policy=args.max_steps_off_policy,
-                groups_in_flight=args.groups_in_flight,
-            ),
-            tasks,
-            val_tasks,
-            args.tool_latency,
-        ),
-    ]
-    lockstep, async_arm = arms
+    print(f"load average (1, 5, 15 min) at the start: {_load()}")
+    arms = [run_arm("lockstep", base, tasks, val_tasks, args.tool_latency)]
+    for rule in args.stale_groups:
+        config = dataclasses.replace(
+            base,
+            run_name=f"async-{rule}",
+            max_steps_off_policy=args.max_steps_off_policy,
+            groups_in_flight=args.groups_in_flight,
+            stale_groups=rule,
+        )
+        arms.append(run_arm(f"async-{rule}", config, tasks, val_tasks, args.tool_latency))
+    lockstep = arms[0]
     ideal_s = max(lockstep["sampling_s"], lockstep["training_s"])
     columns = ("wall s", "ratio", "trainer idle", "generator busy", "dropped")
-    header = f"{'arm':10} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 6, 13, 15, 8), strict=True))
+    header = f"{'arm':16} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 6, 13, 15, 8), strict=True))
     print("\n" + header)
     for arm in arms:
         print(
-            f"{arm['arm']:10} {arm['wall_s']:8.1f} {arm['wall_s'] / lockstep['wall_s']:6.2f} "
+            f"{arm['arm']:16} {arm['wall_s']:8.1f} {arm['wall_s'] / lockstep['wall_s']:6.2f} "
             f"{arm['trainer_idle_fraction']:13.2f} {arm['timeline']['generator_busy_fraction']:15.2f} "
             f"{arm['dropped_stale_groups']:8.0f}"
         )
     print(
-        f"{'ideal':10} {ideal_s:8.1f} {ideal_s / lockstep['wall_s']:6.2f}   "
+        f"{'ideal':16} {ideal_s:8.1f} {ideal_s / lockstep['wall_s']:6.2f}   "
         f"(max of lockstep's rollout {lockstep['sampling_s']:.1f} s "
         f"and training {lockstep['training_s']:.1f} s)"
     )
     print("\ntraining reward per step (over the groups each arm trained on)")
     for arm in arms:
-        print(f"  {arm['arm']:10} " + " ".join(f"{r:.3f}" for r in arm["reward_per_step"]))
+        print(f"  {arm['arm']:16} " + " ".join(f"{r:.3f}" for r in arm["reward_per_step"]))
     print("validation reward on the same held-out tasks (step: reward)")
     for arm in arms:
-        print(f"  {arm['arm']:10} " + "  ".join(f"{step}: {r:.3f}" for step, r in arm["val_reward"]))
-    print("share of trained episodes by replies asked for (1, 2, 4, 8)")
-    for arm in arms:
-        print(f"  {arm['arm']:10} " + " ".join(f"{share:.2f}" for share in arm["trained_mix"].values()))
+        print(f"  {arm['arm']:16} " + "  ".join(f"{step}: {r:.3f}" for step, r in arm["val_reward"]))
+    for key, what in (
+        ("trained_mix", "share of trained episodes"),
+        ("trained_token_mix", "share of trained tokens"),
+        ("dropped_share_by_length", "share of groups dropped as stale"),
+    ):
+        print(f"{what} by assistant turns (1, 2, 3-4, 5-8: tasks of 1, 2, 4, 8 replies)")
+        for arm in arms:
+            print(f"  {arm['arm']:16} " + " ".join(f"{share:.2f}" for share in arm[key].values()))
     report = {
         "tool_latency_s": args.tool_latency,
         "steps": base.num_steps,
-        "async_over_lockstep": async_arm["wall_s"] / lockstep["wall_s"],
         "ideal_over_lockstep": ideal_s / lockstep["wall_s"],
+        "load_average_end": _load(),
         "arms": [{k: v for k, v in arm.items() if not k.startswith("_")} for arm in arms],
+        "targets": {},
     }
-    print(f"\nasync / lockstep wall time: {report['async_over_lockstep']:.2f} (target <= 0.7)")
+    print(f"\ntargets (issue 13); load average (1, 5, 15 min) now: {_load()}")
+    for arm in arms[1:]:
+        report["targets"][arm["arm"]] = {}
+        for target, (met, figures) in targets(arm, lockstep).items():
+            report["targets"][arm["arm"]][target] = {"met": met, "figures": figures}
+            print(f"  {arm['arm']:16} {target:11} {'met' if met else 'NOT met':8} {figures}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     if args.figure:
         figure = timeline_figure([(arm["arm"], arm["_timeline"]) for arm in arms], title="bench_async")
         figure.write_html(args.figure, include_plotlyjs=True)
+    if args.mix_figure:
+        runs = [(arm["arm"], arm["_metrics"]) for arm in arms]
+        length_mix_figure(runs, title="bench_async: length mix").write_html(
+            args.mix_figure, include_plotlyjs=True
+        )
     return report
 
 

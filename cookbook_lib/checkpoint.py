@@ -28,6 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cookbook_lib.progress import progress_bar
+from cookbook_lib.quiet import quiet_libraries
+
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 STATE_FILE = "state.json"  # written last: a folder without it is not a checkpoint
@@ -79,12 +82,19 @@ def save_checkpoint(
     _remove_scratch(root)
     final = checkpoint_dir(run_dir, step)
     scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{final.name}-"))
+    # Seconds for a small model on a CPU, longer for a large one: weights, optimizer, the rest, fsync.
+    bar = progress_bar(f"saving checkpoint {final.name}", total=4, unit="part")
     try:
-        _save_model(model, scratch)
+        with quiet_libraries():  # no "Writing model shards" bar
+            _save_model(model, scratch)
+        bar.update()
         torch.save(optimizer.state_dict(), scratch / "optimizer.pt")
+        bar.update()
         torch.save(_rng_state(), scratch / "rng.pt")
         (scratch / STATE_FILE).write_text(state_text, encoding="utf-8")
+        bar.update()
         _fsync_tree(scratch)
+        bar.update()
         if final.exists():  # the same step saved again (after a resume): swap, never delete first
             trash = root / f".trash-{final.name}"
             os.replace(final, trash)
@@ -95,6 +105,8 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+    finally:
+        bar.close()
     _write_latest(root, final.name)
     for old in _complete_checkpoints(root)[:-keep_last]:
         _delete(old)
@@ -105,6 +117,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of the run, or ``None`` (then the run starts from step 0)."""
     complete = _complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
     return complete[-1] if complete else None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a complete checkpoint was saved after, read without loading any weights."""
+    return int(json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))["step"])
 
 
 def load_checkpoint(

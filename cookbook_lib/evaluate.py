@@ -20,11 +20,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import Codec, make_codec
+from cookbook_lib.devices import check_precision
 from cookbook_lib.envs.base import Task
 from cookbook_lib.episode import EndCause, Episode
-from cookbook_lib.generators import Generator, HFGenerator, SamplingParams
+from cookbook_lib.generators import Generator, SamplingParams
+from cookbook_lib.generators.factory import make_generator
 from cookbook_lib.model_policy import ModelPolicy
 from cookbook_lib.models import load_model, load_tokenizer
+from cookbook_lib.progress import LiveProgress, tokens_status
 from cookbook_lib.rollout import EnvFactory, OnEnvError, Policy, run_group
 
 
@@ -129,25 +132,36 @@ async def evaluate_policy_async(
     failed_parse_reward: float = 0.0,
     success_threshold: float = 1.0,
     run_dir: str | Path | None = None,
+    progress: str | None = None,
+    progress_status: Callable[[], str] | None = None,
 ) -> EvalReport:
-    """Evaluate any policy (a scripted one, or a model's): every task's group runs concurrently."""
+    """Evaluate any policy (a scripted one, or a model's): every task's group runs concurrently.
+
+    ``progress`` names a bar counting the episodes as they finish (None: no bar), with
+    ``progress_status()`` (e.g. the tokens sampled) beside it.
+    """
     if not tasks:
         raise ValueError("evaluate needs at least one task")
     started = time.perf_counter()
-    groups = await asyncio.gather(
-        *(
-            run_group(
-                env_factory,
-                task,
-                policy_factory,
-                episodes_per_task,
-                max_turns=max_turns,
-                on_env_error=on_env_error,
-                failed_parse_reward=failed_parse_reward,
+    total = len(tasks) * episodes_per_task
+    async with LiveProgress(
+        progress or "", total, unit="episode", status=progress_status, show=bool(progress)
+    ) as live:
+        groups = await asyncio.gather(
+            *(
+                run_group(
+                    env_factory,
+                    task,
+                    policy_factory,
+                    episodes_per_task,
+                    max_turns=max_turns,
+                    on_env_error=on_env_error,
+                    failed_parse_reward=failed_parse_reward,
+                    on_episode=lambda _: live.done(),
+                )
+                for task in tasks
             )
-            for task in tasks
         )
-    )
     report = summarize(groups, time.perf_counter() - started, success_threshold)
     if run_dir is not None:
         report.episodes_path = write_episodes(report.episodes, Path(run_dir) / "episodes.jsonl")
@@ -176,12 +190,16 @@ async def evaluate_async(
     success_threshold: float = 1.0,
     run_name: str | None = None,
     runs_dir: str | Path = "runs",
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> EvalReport:
     """Score a model on an environment: ``episodes_per_task`` episodes of each task.
 
-    ``model`` is a name (``None`` for the embedded default) or a loaded model. Pass ``generator``
-    and ``codec`` to reuse a running generator (validation during training does). Episodes are
-    written to ``runs/<run_name>/episodes.jsonl``.
+    ``model`` is a name (``None`` for the embedded default) or a loaded model. A name is loaded on
+    ``device`` in the sampling dtype of the ``dtype`` policy (as ``GRPOConfig.device``/``dtype``:
+    ``"auto"`` picks CUDA when present, and bf16 where the hardware has it); a loaded model is
+    used where and as it is. Pass ``generator`` and ``codec`` to reuse a running generator
+    (validation during training does). Episodes are written to ``runs/<run_name>/episodes.jsonl``.
     """
     sampling = sampling or SamplingParams()
     if sampling.seed is not None and episodes_per_task > 1:
@@ -195,14 +213,18 @@ async def evaluate_async(
     if generator is None or codec is None:
         if isinstance(model, str) or model is None:
             tokenizer = tokenizer or load_tokenizer(model)
-            model = load_model(model) if generator is None else None
+            if generator is None:
+                precision = check_precision(device, dtype)  # before loading: a bad device fails fast
+                model = load_model(model, device=precision.device, dtype=precision.sample_dtype)
+            else:
+                model = None
         elif tokenizer is None:
             raise ValueError(
                 "pass the tokenizer along with a loaded model: evaluate(model, ..., tokenizer=...)"
             )
         codec = codec or make_codec(tokenizer)
         if generator is None:
-            generator = HFGenerator(model, pad_token_id=tokenizer.pad_token_id)
+            generator = make_generator("hf", model, tokenizer)
     run_dir = Path(runs_dir) / (run_name or default_run_name("eval"))
     try:
         return await evaluate_policy_async(
@@ -215,6 +237,8 @@ async def evaluate_async(
             failed_parse_reward=failed_parse_reward,
             success_threshold=success_threshold,
             run_dir=run_dir,
+            progress="evaluation",
+            progress_status=tokens_status([generator]),
         )
     finally:
         if owned_generator:

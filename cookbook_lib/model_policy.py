@@ -13,21 +13,30 @@ End causes it reports (see :class:`cookbook_lib.episode.EndCause`):
 
 A reply cut by the per-turn budget (``sampling.max_tokens``) but not by the context is parsed as
 it is: the environment decides what an incomplete answer is worth.
+
+Whatever the model writes ends as a message or a ``PARSE_FAILURE`` (``Codec.parse`` never raises).
+Should anything here raise all the same, the policy is a :class:`~cookbook_lib.rollout.ContainedPolicy`:
+the episode ends as ``ERROR`` with the traceback kept and the run goes on, except when the
+generator was closed (the run is shutting down), which propagates.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 from cookbook_lib.codecs import Codec
 from cookbook_lib.episode import EndCause, Turn
-from cookbook_lib.generators import Generator, SamplingParams
-from cookbook_lib.rollout import PolicyStep
+from cookbook_lib.generators import Generator, GeneratorClosedError, SamplingParams
+from cookbook_lib.rollout import ContainedPolicy, PolicyStep
 from cookbook_lib.types import Message, ToolSpec
 
 
-class ModelPolicy:
+class ModelPolicy(ContainedPolicy):
     """The policy of one episode: holds that episode's prompt tokens between turns."""
+
+    # A closed generator means the run is stopping: that must unwind the run, not end one episode.
+    propagating_errors: ClassVar[tuple[type[Exception], ...]] = (GeneratorClosedError,)
 
     def __init__(
         self, generator: Generator, codec: Codec, sampling: SamplingParams, max_model_length: int

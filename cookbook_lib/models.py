@@ -9,22 +9,29 @@ as is; so we convert it once into a plain safetensors copy in a cache directory
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from cookbook_lib.devices import resolve_device
+from cookbook_lib.progress import progress_bar
+from cookbook_lib.quiet import quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +81,7 @@ def _ensure_converted(name: str, with_model: bool) -> Path:
     if all((target / part).exists() for part in parts):
         return target
     target.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
+    with FileLock(str(target) + ".lock"), quiet_libraries(), _gguf_progress(f"converting {name} (once)"):
         gguf_dir, gguf_file = _embedded_gguf(name)
         if not (target / _TOKENIZER_DONE).exists():
             logger.info("converting the tokenizer of %s into %s (once)", name, target)
@@ -97,6 +104,26 @@ def _ensure_converted(name: str, with_model: bool) -> Path:
             _save_atomically(target, plain.save_pretrained)
             (target / _MODEL_DONE).touch()
     return target
+
+
+@contextlib.contextmanager
+def _gguf_progress(desc: str) -> Iterator[None]:
+    """Show the GGUF dequantization (most of the conversion's ~30 s) as our own progress bar.
+
+    transformers iterates the GGUF tensors through ``tqdm.auto`` directly, past the switch that
+    turns its other bars off; for the duration of the conversion its ``tqdm`` is our bar.
+    """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:  # another transformers version: nothing to redirect
+        yield
+        return
+    gguf_utils.tqdm = lambda iterable, **_: progress_bar(desc, iterable=iterable, unit="tensor")
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _save_atomically(target: Path, save) -> None:
@@ -148,18 +175,27 @@ def resolve_model(name: str | None = None, *, with_weights: bool = True) -> Path
 
 
 def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name, with_weights=False))
+    path = resolve_model(name, with_weights=False)
+    with quiet_libraries():
+        tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 def load_model(
-    name: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "auto"
 ) -> PreTrainedModel:
-    """Load a causal LM for training or sampling (float32 by default: CPUs lack fast bf16)."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype)
-    return model.to(device)
+    """Load a causal LM for training or sampling, on ``device`` (``"auto"``: CUDA when present).
+
+    float32 by default; :func:`cookbook_lib.devices.resolve_precision` says which dtype a run
+    samples and trains in.
+    """
+    where = resolve_device(device) if isinstance(device, str) else device
+    path = resolve_model(name)  # outside the silence: a hub download keeps its progress bar
+    with quiet_libraries():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(where)
 
 
 def tiny_random_model(
@@ -194,6 +230,24 @@ def tiny_random_model(
             model.get_input_embeddings().weight.mul_(embedding_scale)
     model.eval()
     return model, tokenizer
+
+
+def save_random_init_model(folder: str | Path, name: str | None = None, seed: int = 0) -> Path:
+    """Save, as a plain model folder, a randomly initialised model with the architecture of ``name``.
+
+    Same shapes and tokenizer as the real model, so it runs every code path at the real model's
+    speed; its replies are gibberish. For benchmarks and the GPU check (``cookbook_lib.gpu_check``),
+    which time kernels, not answers, and for trying them before the real weights are at hand.
+    """
+    source = resolve_model(name)
+    folder = Path(folder)
+    with quiet_libraries():
+        config = AutoConfig.from_pretrained(source)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
 
 
 def clear_cache(name: str | None = None) -> None:

@@ -89,13 +89,18 @@ def reward_histogram(
     Stacking by cause shows at a glance where a reward came from: a 0.0 from a wrong final answer
     (TERMINATED) and a 0.0 from running out of turns look the same in a mean but are treated
     differently by training. ``bin_size`` defaults to a twentieth of the reward range.
+
+    When every episode earned the same reward (a base model that never solves a task), a default
+    histogram is one bar as wide as the axis with no number under it; here the bar is a fifth of a
+    unit wide, centred in a fixed range with a tick at the reward, and a note says so.
     """
     episodes = episodes_of(source)
     if not episodes:
         raise ValueError("no episodes to plot")
     rewards = [episode.reward for episode in episodes]
     low, high = min(rewards), max(rewards)
-    size = bin_size if bin_size is not None else ((high - low) / 20 if high > low else 1.0)
+    unit = max(1.0, abs(low))  # the scale of a single reward: 0 and 1 read on [-0.5, 1.5]-ish axes
+    size = bin_size if bin_size is not None else ((high - low) / 20 if high > low else unit / 5)
     if size <= 0:
         raise ValueError(f"bin_size must be positive, got {size}")
     bins = go.histogram.XBins(start=low - size / 2, end=high + size / 2, size=size)
@@ -120,4 +125,16 @@ def reward_histogram(
         height=360,
         margin={"t": 60, "b": 40},
     )
+    if high == low:
+        figure.update_xaxes(range=[low - unit, low + unit], tickvals=[low - unit, low, low + unit])
+        figure.add_annotation(
+            text=f"all {len(rewards)} episodes earned {low:g}",
+            xref="paper",
+            yref="paper",
+            x=0.99,
+            xanchor="right",
+            y=0.98,
+            yanchor="top",  # inside the plot, beside the one bar: clear of the title
+            showarrow=False,
+        )
     return figure

@@ -4,6 +4,11 @@ A *policy* is any callable ``policy(messages, tool_specs)`` returning the next a
 ``Message`` (or a :class:`PolicyStep`), directly or as an awaitable. Scripted policies return
 messages; model policies return a ``PolicyStep`` carrying the sampled tokens, or an end cause
 when no message could be produced (the context is full, or the output did not parse).
+
+Who pays for an exception: one raised by the environment ends its episode (``ERROR``, traceback
+kept); so does one raised inside the library's own policies (:class:`ContainedPolicy`, e.g.
+``ModelPolicy``), as defence in depth against model output nobody foresaw. One raised by a policy
+the user wrote is a bug in the caller's code and propagates, as does cancellation.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from cookbook_lib.envs.base import Env, StepResult, Task
 from cookbook_lib.episode import EndCause, Episode, EpisodeError, Turn
@@ -38,6 +43,19 @@ class PolicyStep:
     message: Message | None
     end_cause: EndCause | None = None
     turn: Turn | None = None
+
+
+class ContainedPolicy:
+    """Base of the library's own policies: an exception raised inside one ends only its episode.
+
+    ``run_episode`` records it like an environment's failure (``EndCause.ERROR``, the traceback in
+    ``Episode.error``; ``on_env_error="raise"`` stops the run instead), so one reply that trips an
+    unforeseen bug cannot end a long run. Exceptions in ``propagating_errors`` (the backend shutting
+    down, which means the run is ending) and those that are not ``Exception`` (cancellation,
+    ``KeyboardInterrupt``) always propagate. User-written policies do not subclass this.
+    """
+
+    propagating_errors: ClassVar[tuple[type[Exception], ...]] = ()
 
 
 PolicyOutput = Union[Message, PolicyStep]  # noqa: UP007 - used at runtime in isinstance-free code
@@ -67,9 +85,10 @@ async def run_episode(
     """Play one episode of ``env`` (or of ``env(task)`` for a factory) and return its record.
 
     ``close()`` is called exactly once on every way out. An exception escaping the env's
-    ``reset``/``step``/``close`` (or the factory) ends this episode with ``EndCause.ERROR`` and the
-    traceback kept, or, with ``on_env_error="raise"``, stops the run as :class:`EpisodeError`.
-    Exceptions from the policy itself are bugs of the caller's and propagate (after ``close``).
+    ``reset``/``step``/``close`` (or the factory), or a :class:`ContainedPolicy` such as
+    ``ModelPolicy``, ends this episode with ``EndCause.ERROR`` and the traceback kept, or, with
+    ``on_env_error="raise"``, stops the run as :class:`EpisodeError`. Exceptions from any other
+    policy are bugs of the caller's and propagate (after ``close``).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be at least 1, got {max_turns}")
@@ -83,7 +102,7 @@ async def run_episode(
             env_instance = env if isinstance(env, Env) else env(task)
             record.messages = list(await env_instance.reset(task))
         except Exception as exc:
-            _record_error(record, exc, "reset", on_env_error)
+            _record_error(record, exc, "Env.reset", "the environment failed in reset()", on_env_error)
             return record
         await _play(env_instance, record, policy, max_turns, on_env_error, failed_parse_reward)
         return record
@@ -105,7 +124,15 @@ async def _play(
         if record.num_turns >= max_turns:
             record.end_cause = EndCause.MAX_TURNS
             return
-        move = await _next_step(policy, list(record.messages), env.tool_specs)
+        tool_specs = env.tool_specs
+        try:
+            move = await _next_step(policy, list(record.messages), tool_specs)
+        except Exception as exc:
+            if not isinstance(policy, ContainedPolicy) or isinstance(exc, policy.propagating_errors):
+                raise
+            source = type(policy).__name__
+            _record_error(record, exc, source, f"the library's {source} failed", on_env_error)
+            return
         record.num_turns += 1
         if move.turn is not None:
             record.turns.append(move.turn)
@@ -121,7 +148,7 @@ async def _play(
             result: StepResult = await env.step(move.message)
         except Exception as exc:
             record.messages.append(move.message)
-            _record_error(record, exc, "step", on_env_error)
+            _record_error(record, exc, "Env.step", "the environment failed in step()", on_env_error)
             return
         record.messages = list(result.messages)
         record.metrics = dict(result.metrics)
@@ -134,13 +161,16 @@ async def _play(
         record.reward = float(result.reward)
 
 
-def _record_error(record: Episode, exc: BaseException, where: str, on_env_error: OnEnvError) -> None:
+def _record_error(
+    record: Episode, exc: BaseException, source: str, failure: str, on_env_error: OnEnvError
+) -> None:
+    """End the episode as ERROR with ``source``'s traceback, or stop the run with ``failure``."""
     record.end_cause = EndCause.ERROR
     record.reward = 0.0
-    record.error = f"Env.{where} raised:\n" + "".join(traceback.format_exception(exc))
+    record.error = f"{source} raised:\n" + "".join(traceback.format_exception(exc))
     if on_env_error == "raise":
-        raise EpisodeError(f"the environment failed in {where}() on task {record.task.prompt!r}") from exc
-    logger.warning("episode ended by an environment error in %s(): %r", where, exc)
+        raise EpisodeError(f"{failure} on task {record.task.prompt!r}") from exc
+    logger.warning("episode ended by an error in %s: %r", source, exc)
 
 
 async def _close(env: Env, record: Episode, on_env_error: OnEnvError) -> None:
@@ -163,29 +193,33 @@ async def run_group(
     max_turns: int,
     on_env_error: OnEnvError = "end_episode",
     failed_parse_reward: float = 0.0,
+    on_episode: Callable[[Episode], None] | None = None,
 ) -> list[Episode]:
     """Play ``group_size`` episodes of one task concurrently, each with a fresh env and policy.
 
     The episodes share whatever the policies share (a batching generator serves their requests
     together). If one episode raises, the others are cancelled, and so closed, before it propagates.
+    ``on_episode`` is called with each episode as it finishes (progress bars count them).
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
+
+    async def play(policy: Policy) -> Episode:
+        episode = await run_episode(
+            env_factory,
+            task,
+            policy,
+            max_turns=max_turns,
+            on_env_error=on_env_error,
+            failed_parse_reward=failed_parse_reward,
+        )
+        if on_episode is not None:
+            on_episode(episode)
+        return episode
+
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [
-                group.create_task(
-                    run_episode(
-                        env_factory,
-                        task,
-                        policy_factory(),
-                        max_turns=max_turns,
-                        on_env_error=on_env_error,
-                        failed_parse_reward=failed_parse_reward,
-                    )
-                )
-                for _ in range(group_size)
-            ]
+            tasks = [group.create_task(play(policy_factory())) for _ in range(group_size)]
     except BaseExceptionGroup as errors:
         # Callers see the episode's own error (an EpisodeError, a policy bug), not a wrapper; the
         # others, if any, are chained under it.

@@ -18,6 +18,12 @@ reward, how long each step waited for rollouts (``async/train_wait_s``), the sta
 
 A missing key or a ``None`` (a NaN written to JSON) leaves that step out of that curve only: a step
 without validation has no validation point, rather than a misleading 0.
+
+Layout, so the figure reads at any notebook width: it fills the width it is given (``autosize``);
+every panel shares one step axis, fixed from step 0 to the last step (``num_steps`` for the live
+plot), so the panels line up and do not rescale as points arrive; a panel with nothing to draw
+says "no data yet"; and the space between rows leaves room for the tick labels of one row and the
+title of the next.
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ CURVES: tuple[Curve, ...] = (
 TRAINING_PANELS = Panels(
     panels=(
         Panel("Reward", "Reward"),
-        Panel("How episodes ended (share of episodes)", "End causes", y_range=(-0.05, 1.05)),
+        Panel("How episodes ended (share)", "End causes", y_range=(-0.05, 1.05)),
         Panel("Policy loss", "Loss"),
         Panel("Entropy and grad norm", "Entropy, grad norm"),
     ),
@@ -139,7 +145,7 @@ ASYNC_PANELS = Panels(
         Panel("Reward", "Reward"),
         Panel("Trainer wait per step (s)", "Waiting", from_zero=True),
         Panel("Stale groups dropped per step", "Stale groups", from_zero=True),
-        Panel("Policy age of trained groups (steps)", "Policy age", from_zero=True),
+        Panel("Policy age of trained groups", "Policy age", from_zero=True),
     ),
     curves=ASYNC_CURVES,
 )
@@ -191,44 +197,133 @@ def _scatter(curve: Curve, panel: Panel, steps: Sequence[int], values: Sequence[
     )
 
 
-def _grid(title: str, panels: Panels) -> go.Figure:
+# Pixels. A row of panels; the gap between two rows holds the upper row's tick labels (~20 px)
+# and the lower row's title (one line of TITLE_FONT_PX); the top margin holds the figure's title
+# above the first row's titles.
+PANEL_PX = 230
+ROW_GAP_PX = 80
+TOP_PX = 80
+BOTTOM_PX = 55
+TITLE_FONT_PX = 13
+HORIZONTAL_SPACING = 0.1  # of the plotting width, between the two columns
+EMPTY_TEXT = "no data yet"  # the live plot's; a finished run's figure says "no data"
+PLACEHOLDER_NAME = "(empty panel)"
+
+
+def step_axis_range(last_step: int) -> list[float]:
+    """The shared x range: step 0 to ``last_step``, padded so the end markers are not cut in half."""
+    last_step = max(int(last_step), 1)
+    pad = max(0.3, 0.03 * last_step)
+    return [-pad, last_step + pad]
+
+
+def _axis_ref(axis: str, panel: int) -> str:
+    """``x``/``y`` of panel ``panel`` (1-based, e.g. ``x2``): subplots number axes in panel order."""
+    return f"{axis}{panel if panel > 1 else ''}"
+
+
+def _grid(title: str, panels: Panels, last_step: int, empty_text: str = EMPTY_TEXT) -> go.Figure:
+    rows = panels.rows
+    plot_px = rows * PANEL_PX + (rows - 1) * ROW_GAP_PX
     figure = make_subplots(
-        rows=panels.rows,
+        rows=rows,
         cols=2,
         subplot_titles=[panel.title for panel in panels.panels],
-        vertical_spacing=0.28 / panels.rows,
+        shared_xaxes="all",
+        vertical_spacing=ROW_GAP_PX / plot_px if rows > 1 else 0.0,
+        horizontal_spacing=HORIZONTAL_SPACING,
     )
-    figure.update_xaxes(title_text="step", row=panels.rows)
+    figure.update_annotations(font_size=TITLE_FONT_PX)  # the panel titles, 16 px by default
+    # Every panel keeps its own step labels: a reader of the top row should not look down for them.
+    figure.update_xaxes(
+        showticklabels=True, range=step_axis_range(last_step), tick0=0, dtick=_dtick(last_step)
+    )
+    figure.update_xaxes(title_text="step", row=rows)
     for number, panel in enumerate(panels.panels, start=1):
         row, col = panels.cell(number)
         if panel.y_range is not None:
             figure.update_yaxes(range=list(panel.y_range), row=row, col=col)
         elif panel.from_zero:
             figure.update_yaxes(rangemode="tozero", row=row, col=col)
+        figure.add_annotation(
+            text=empty_text,
+            name=_empty_name(number),
+            xref=f"{_axis_ref('x', number)} domain",
+            yref=f"{_axis_ref('y', number)} domain",
+            x=0.5,
+            y=0.5,
+            showarrow=False,
+            font={"color": "#888", "size": 14},
+        )
     figure.update_layout(
-        title=title,
-        height=130 + 255 * panels.rows,
-        margin={"t": 80, "b": 50},
+        title={"text": title, "x": 0.01, "xanchor": "left", "y": 0.99, "yanchor": "top", "yref": "container"},
+        autosize=True,  # the notebook's width; plotly.js would otherwise draw 700 px wide
+        height=TOP_PX + plot_px + BOTTOM_PX,
+        margin={"t": TOP_PX, "b": BOTTOM_PX},
         legend={"tracegroupgap": 12, "groupclick": "toggleitem"},
     )
     return figure
 
 
+def _dtick(last_step: int) -> int:
+    """Whole steps between ticks, about ten ticks at most (never a tick at step 0.5)."""
+    return max(1, math.ceil(max(int(last_step), 1) / 10))
+
+
+def _empty_name(panel: int) -> str:
+    return f"empty panel {panel}"
+
+
+def _show_empty_panels(figure: go.Figure, panels: Panels, records: Sequence[Mapping[str, Any]]) -> None:
+    """Say "no data yet" in each panel none of whose curves has a point, and hide its y labels."""
+    for number in range(1, len(panels.panels) + 1):
+        has_data = any(
+            curve_points(records, curve.key)[0] for curve in panels.curves if curve.panel == number
+        )
+        for annotation in figure.layout.annotations:
+            if annotation.name == _empty_name(number):
+                annotation.visible = not has_data
+        figure.layout[_axis_ref("y", number).replace("y", "yaxis")].showticklabels = has_data
+
+
+def _last_step(records: Iterable[Mapping[str, Any]], num_steps: int | None) -> int:
+    steps = [int(record["step"]) for record in records if "step" in record]
+    return max([num_steps or 0, *steps])
+
+
 def training_curves_figure(
-    metrics: Sequence[Mapping[str, Any]], title: str = "Training curves", *, panels: Panels = TRAINING_PANELS
+    metrics: Sequence[Mapping[str, Any]],
+    title: str = "Training curves",
+    *,
+    panels: Panels = TRAINING_PANELS,
+    num_steps: int | None = None,
 ) -> go.Figure:
     """The panels from step records (``read_metrics(run_dir)`` or ``TrainResult.metrics``).
 
     Curves with no value at any step are left out, so a run without validation (or a test without
-    a trainer) shows no empty legend entries. ``panels=ASYNC_PANELS`` draws an async run's panels.
+    a trainer) shows no empty legend entries; a panel left without curves says "no data".
+    The step axis runs from 0 to ``num_steps`` (default: the last step logged).
+    ``panels=ASYNC_PANELS`` draws an async run's panels.
     """
-    figure = _grid(title, panels)
+    figure = _grid(title, panels, _last_step(metrics, num_steps), empty_text="no data")
+    drawn: set[int] = set()
     for curve in panels.curves:
         steps, values = curve_points(metrics, curve.key)
         if steps:
             row, col = panels.cell(curve.panel)
             figure.add_trace(_scatter(curve, panels.panel_of(curve), steps, values), row=row, col=col)
+            drawn.add(curve.panel)
+    for number in range(1, len(panels.panels) + 1):
+        if number not in drawn:
+            # plotly.js draws no axes for a subplot without a trace, and the note needs its axes.
+            figure.add_trace(_placeholder(), row=panels.cell(number)[0], col=panels.cell(number)[1])
+    _show_empty_panels(figure, panels, metrics)
     return figure
+
+
+def _placeholder() -> go.Scatter:
+    """An empty trace that keeps an empty panel's axes drawn; not in the legend."""
+    return go.Scatter(x=[], y=[], name=PLACEHOLDER_NAME, showlegend=False, hoverinfo="skip")
 
 
 def _cell(value: Any) -> str:
@@ -295,7 +390,7 @@ class LiveTrainingPlots:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._records: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
-        self.figure = go.FigureWidget(_grid(title, panels))
+        self.figure = go.FigureWidget(_grid(title, panels, num_steps or 1))
         for curve in panels.curves:
             row, col = panels.cell(curve.panel)
             self.figure.add_trace(_scatter(curve, panels.panel_of(curve), [], []), row=row, col=col)
@@ -361,6 +456,10 @@ class LiveTrainingPlots:
             with self.figure.batch_update():
                 for trace, curve in zip(self.figure.data, self.panels.curves, strict=True):
                     trace.x, trace.y = curve_points(records, curve.key)
+                _show_empty_panels(self.figure, self.panels, records)
+                if self.num_steps is None:  # the axis grows with the run, still shared and from 0
+                    last = _last_step(records, None)
+                    self.figure.update_xaxes(range=step_axis_range(last), dtick=_dtick(last))
             self._update_progress(records)
         except Exception as exc:  # drawing must never fail the run that calls us
             logger.warning("could not update the live training plots: %r", exc)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from cookbook_lib.envs import Task, ToolArgumentError, ToolEnv, ToolResult
+from cookbook_lib.envs.tools import shorten
 from cookbook_lib.scoring import numbers_match
 from cookbook_lib.types import Message
 
@@ -206,7 +207,7 @@ class CalculatorTool:
         except ValueError as exc:
             # A ToolArgumentError is shown to the model as "tool_error: <message>", without the
             # exception's repr around it.
-            raise ToolArgumentError(f"cannot evaluate {expression!r}: {exc}") from None
+            raise ToolArgumentError(f"cannot evaluate {shorten(repr(expression))}: {exc}") from None
         return ToolResult(content=str(result))
 
 

@@ -18,6 +18,7 @@ from cookbook_lib.evaluate import EvalReport, default_run_name, evaluate
 from cookbook_lib.generators import SamplingParams
 from envs.math_env import MathEnv, load_math_tasks
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks
+from recipes.device_flags import add_device_flags
 from recipes.experts import format_table
 
 ENVIRONMENTS: dict[str, tuple[Callable[[str], list[Task]], Callable[[Task], Env]]] = {
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, EvalReport]]:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs-dir", default="runs")
+    add_device_flags(parser)
     args = parser.parse_args(argv)
     names = list(ENVIRONMENTS) if args.env == "all" else [args.env]
     # One seed for the whole run: the generator draws each request's stream from torch's RNG.
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, EvalReport]]:
             sampling=sampling,
             run_name=default_run_name(f"eval-{name}"),
             runs_dir=args.runs_dir,
+            device=args.device or "auto",
+            dtype=args.dtype or "auto",
         )
         print(f"{name}: episodes written to {report.episodes_path}")
         rows.append((f"{name}/{args.split}", report))

@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 
 import nbformat
+from colab_cells import add_colab_cells, repository_url  # scripts/: the badge and Colab set-up cell
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,8 @@ they arrive. In order:
 2. an async run, with live plots of the reward, of how long the trainer waited for groups, of the
    groups dropped as stale, and of the policy age of what it trained on;
 3. the same run in lockstep, from the same warm-started model;
-4. the measured timelines of both runs, one above the other, and a table of where their time went;
+4. the measured timelines of both runs, one above the other, a table of where their time went,
+   and the length mix each run trained on;
 5. the three weight-sync modes, a few steps each.
 
 `recipes/grpo/tool_use_game_async.py` holds the config used here; from a terminal,
@@ -57,7 +59,6 @@ they arrive. In order:
 
 code(r"""
 import dataclasses
-import gc
 import math
 import os
 import shutil
@@ -72,6 +73,8 @@ from cookbook_lib.evaluate import read_episodes
 from cookbook_lib.grpo.config import ConfigError, WeightSyncType
 from cookbook_lib.grpo.lockstep import has_signal
 from cookbook_lib.grpo.train import TIMELINE_FILE, WARM_START_DIR, train_multi_turn
+from cookbook_lib.length_mix_plots import length_mix_figure
+from cookbook_lib.memory import release_memory
 from cookbook_lib.sft import expert_warm_start
 from cookbook_lib.timeline import WEIGHT_SYNC, Timeline, replica_lane
 from cookbook_lib.timeline_plots import idle_summary, timeline_figure
@@ -84,9 +87,8 @@ from recipes.grpo.tool_use_game_async import async_demo_config
 md(r"""
 The next cell holds the notebook's parameters (tagged `parameters`, so papermill can set them).
 Run as it is, the notebook trains two runs of four steps (async and lockstep) and three runs of
-two steps (one per weight-sync mode): about 25 minutes on a 2-core CPU. Give it 16 GB of memory;
-starting Jupyter with `MALLOC_ARENA_MAX=2` in the environment lowers the peak (otherwise glibc
-keeps, per thread, much of the memory that each training step frees). The test suite sets
+two steps (one per weight-sync mode): about 25 minutes on a 2-core CPU, and about 12 GB of
+memory at its peak. The test suite sets
 `COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of two short episodes, to check
 that the notebook runs; the small runs learn nothing, and their timelines are mostly start-up.
 """)
@@ -100,10 +102,9 @@ OVERRIDES = (
     if SMALL
     else dict(num_steps=4, batch_size=2)
 )
-# Validate at step 0 and at the end only; one checkpoint per run, at the end (each is over a
-# gigabyte). micro_batch_tokens: the trainer's memory grows by about 2 GB per 1000 tokens of a
-# micro-batch (the logits over the whole vocabulary), and an async run trains while it samples.
-OVERRIDES |= dict(validation_interval=0, checkpoint_interval=0, micro_batch_tokens=2048)
+# Validate at step 0 and at the end only; one checkpoint per run, at the end (each is ~1.6 GB:
+# the weights and AdamW's two moments).
+OVERRIDES |= dict(validation_interval=0, checkpoint_interval=0)
 if "COOKBOOK_NB_STEPS" in os.environ:
     OVERRIDES["num_steps"] = int(os.environ["COOKBOOK_NB_STEPS"])
 VAL_TASKS = int(os.environ.get("COOKBOOK_NB_VAL_TASKS", "2" if SMALL else "10"))  # held-out tasks
@@ -163,13 +164,33 @@ lockstep, having thrown samples away on top. `1` admits exactly that overlap and
 correction small. Raise it only when many groups are dropped *and* generation is the bottleneck
 (many replicas, long episodes), and watch the validation reward when you do.
 
-Dropping stale groups is not neutral, though. The groups that take longest to play (many turns,
-slow tools) are the ones most likely to be too old when they finish, so a tight bound leaves
-training with mostly the quick episodes: a *length bias*. For a task whose reward depends on long
-episodes, that under-trains exactly what matters. The trainer takes the oldest-started finished
-group first, which helps; if `async/dropped_stale_groups` stays high and the dropped groups are
-the long ones, a bound of 2 is the usual next step. (`docs/benchmarks.md` measures this bias on a
-workload with a slow tool.)
+### The length bias, and `stale_groups`
+
+Dropping stale groups is not neutral. The groups that take longest to play (many turns, slow
+tools) are the ones most likely to be too old when they finish, so dropping them leaves training
+with mostly the quick episodes: a **length bias**. On a workload of 1-, 2-, 4- and 8-reply tasks
+behind a slow tool (`bench/bench_async.py`), async with drops trained *none* of the 8-reply
+episodes while lockstep gave them 17 % of its batch. In agent tasks the long episodes are usually
+the hard ones, so such a run learns the easy half of the task, and its speed-up is partly work it
+skipped.
+
+`stale_groups` decides what happens instead:
+
+- **`prevent`** (the default): the trainer takes groups strictly in the order they started,
+  waiting for a slow one rather than skipping ahead, and a worker starts a group only when the
+  groups ahead of it will be trained soon enough for it to be trained within the bound. Nothing
+  is ever dropped, so the lengths trained are the lengths the tasks ask for, and with the same
+  seed the async run trains lockstep's tasks in lockstep's order. The price is that the trainer
+  sometimes waits for a long group, while the generator goes on with the groups behind it.
+- **`requeue`**: groups are taken as they finish (oldest-started first); a stale one is dropped
+  and its task restarted first, under the new weights. It keeps the task mix only if the long
+  tasks eventually finish in time, which is not guaranteed.
+- **`drop`**: the same, and the task is lost: the biased behaviour, kept for comparison.
+
+Every run logs the mix: `length/trained_episodes/<bucket>` (and `.../trained_tokens/...`) is the
+share of a step's trained episodes (tokens) by assistant turns (buckets 1, 2, 3-4, 5-8, ...), and
+`length/dropped_stale_groups/<bucket>` the groups dropped. Section 5 draws both runs' mix side by
+side.
 
 ### `groups_in_flight` and `num_generator_replicas`
 
@@ -178,7 +199,8 @@ defaults to `batch_size`. With exactly `batch_size` in flight, the trainer takes
 and then waits for a whole new batch to be played. With more, the next step's groups are already
 under way while it trains. Too many costs twice: every concurrent episode shares the same
 generator (here: the same two CPU cores), so each group takes longer; and a group that takes
-longer is older, maybe stale, when the trainer gets to it. The recipe uses `2 * batch_size`. The
+longer is older when the trainer gets to it. (With `prevent`, workers beyond what the bound
+allows simply wait.) The recipe uses `2 * batch_size`. The
 queue of finished groups is also capped at `groups_in_flight`, so a fast generator cannot pile up
 groups that will go stale.
 
@@ -289,13 +311,18 @@ md(r"""
 - **Trainer wait per step**: seconds the trainer spent waiting for groups (`async/train_wait_s`),
   with the whole step dashed. The first step waits for the first groups, as lockstep does; after
   that, a wait close to the whole step means the generator is the bottleneck.
-- **Stale groups dropped per step** (`async/dropped_stale_groups`): near 0 with
-  `max_steps_off_policy=1`. Many drops mean groups take longer than a training step to play:
-  sampling wasted; fewer groups in flight, or a higher bound, would help.
+- **Stale groups dropped per step** (`async/dropped_stale_groups`): always 0 with the default
+  `stale_groups="prevent"`. With `requeue` or `drop`, many drops mean groups take longer than a
+  training step to play: sampling wasted, and the long episodes under-trained.
 - **Policy age of trained groups**: mean and max age of the groups each step trained on. The max
   never exceeds `max_steps_off_policy`. A mean near 1 means most groups were played during the
   previous step: the overlap working. A mean near 0 means the trainer mostly waited for fresh
   groups, close to lockstep.
+
+Here, where no cell has run, is what the four panels show at the end of a run of this notebook
+(`python scripts/make_result_images.py` draws it from the run's folder; its title names the run):
+
+![The async panels of a run of this notebook](../docs/images/04_training_curves.png)
 """)
 
 code(r"""
@@ -314,6 +341,10 @@ async_result = train_multi_turn(
 assert [m["step"] for m in async_result.metrics] == list(range(config.num_steps + 1))
 warm_model = async_result.run_dir / WARM_START_DIR
 print("the warm-started model, for the other runs:", warm_model)
+# From here on the notebook reads the run from its folder and metrics: it lets the trained model
+# go (0.5 GB) before the next run loads its own.
+async_result.model = None
+release_memory()
 """)
 
 md(r"""
@@ -343,8 +374,10 @@ md(r"""
 ## 4. The same run in lockstep
 
 Same config, same warm-started weights, same validation tasks, `max_steps_off_policy=None`. The
-training tasks come from the same pool, though not in the same order: lockstep draws each step's
-tasks from the step number, async each group's task from the group's number.
+training tasks are the same too, in the same order: async's `i`-th group plays the task lockstep
+plays in slot `i % batch_size` of step `i // batch_size + 1`, and `prevent` trains the groups in
+that order. (Where a group has no signal, each run draws a replacement, so the two streams can
+shift from there on.)
 """)
 
 code(r"""
@@ -367,6 +400,8 @@ lockstep_result = train_multi_turn(
     on_step=lockstep_live,
 )
 assert [m["step"] for m in lockstep_result.metrics] == list(range(lockstep_config.num_steps + 1))
+lockstep_result.model = None  # as above: the rest of the notebook reads the run's folder
+release_memory()
 """)
 
 md(r"""
@@ -404,6 +439,10 @@ throughput as it can when training and generation have their own GPUs. What asyn
 CPU are the stretches where one side leaves the cores underused: the tail of a sampling phase, the
 gaps around each optimizer step, and the environment's turns (instant in this game, often seconds
 for a real tool). The table below measures what it won.
+
+The timelines of a run of this notebook, for a reader who has not run it:
+
+![The measured timelines of a lockstep run above an async run](../docs/images/04_timeline.png)
 """)
 
 code(r"""
@@ -457,6 +496,24 @@ print(
     f"idle {lock['trainer idle fraction']:.0%} of the time in lockstep and "
     f"{asyn['trainer idle fraction']:.0%} in async; the generator sampled "
     f"{lock['generator busy fraction']:.0%} and {asyn['generator busy fraction']:.0%} of the time."
+)
+""")
+
+md(r"""
+### The length mix
+
+Which episode lengths each run trained on, by assistant turns, from the `length/*` metrics of
+both runs: the share of trained episodes, of trained tokens, and of the groups of each length
+dropped as stale. Lockstep trains every group it samples, so its bars are the reference. With
+`stale_groups="prevent"` the async bars match them (the same tasks, none dropped), and the third
+panel is empty. Run the async config with `stale_groups="drop"` to see the bias: the long
+buckets shrink in the first two panels and fill up in the third.
+""")
+
+code(r"""
+length_mix_figure(
+    [("lockstep", lockstep_result.metrics), ("async", async_result.metrics)],
+    title="Length mix: what each run trained on",
 )
 """)
 
@@ -546,8 +603,8 @@ sync_runs_dir = tempfile.mkdtemp(prefix="cookbook-04-sync-")
 sync_rows = []
 try:
     for mode in WeightSyncType:
+        release_memory()
         sync_rows.append(sync_mode_row(mode, sync_runs_dir))
-        gc.collect()  # the finished run's model, before the next one loads its own
 finally:
     shutil.rmtree(sync_runs_dir, ignore_errors=True)
 
@@ -583,9 +640,11 @@ md(r"""
 
 - **Longer runs.** `COOKBOOK_NB_STEPS=20` (or `python -m recipes.grpo.tool_use_game_async --steps
   20`), and compare the validation curves of the two runs against wall time, not steps.
-- **The bound.** `max_steps_off_policy=0` drops almost every group that overlapped a training step:
-  watch `async/dropped_stale_groups` climb and the trainer wait grow. `2` admits older groups:
-  fewer drops, more clipped tokens (`train/clip_frac`).
+- **The bound.** `max_steps_off_policy=0` lets no group play while the trainer steps: the trainer
+  waits as in lockstep. `2` lets more groups play ahead: less waiting, more clipped tokens
+  (`train/clip_frac`).
+- **The length bias.** `stale_groups="drop"` with `groups_in_flight=4 * batch_size`: watch
+  `async/dropped_stale_groups` climb and the long buckets of the length mix empty.
 - **Groups in flight.** `groups_in_flight=batch_size` (the default) against `4 * batch_size`:
   the first waits more, the second drops more and slows each group on a CPU.
 - **Weight sync.** `--weight-sync pipeline` on the recipe, for a longer run, and open its
@@ -611,6 +670,8 @@ def build() -> nbformat.NotebookNode:
         if tags:
             cell.metadata["tags"] = list(tags)
         notebook.cells.append(cell)
+    # After the ids are set: the Colab cell (id "colab-setup") does not shift the others' ids.
+    add_colab_cells(notebook, DEFAULT_OUT.name, repository_url())
     nbformat.validate(notebook)
     return notebook
 

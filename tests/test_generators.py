@@ -21,6 +21,7 @@ from cookbook_lib.generators import (
     SampleResult,
     SamplingParams,
     StepInfo,
+    kv_cache,
 )
 from cookbook_lib.generators.sampling import RowSampling, choose_tokens
 
@@ -410,8 +411,9 @@ def test_update_weights_mid_flight_changes_versions_within_one_sample(model, pro
     # for the prompt and the first five tokens; token 5 is the first one the new weights read.
     prompt, tokens = prompts[1], result.tokens
     with torch.no_grad():
-        first = old_model(torch.tensor([prompt + tokens[:5]]), use_cache=True)
-        rest = new_model(torch.tensor([tokens[5:-1]]), cache=first.cache, use_cache=True)
+        cache = {kv_cache.cache_keyword(old_model): kv_cache.new_cache(old_model)}
+        first = old_model(torch.tensor([prompt + tokens[:5]]), use_cache=True, **cache)
+        rest = new_model(torch.tensor([tokens[5:-1]]), use_cache=True, **cache)
     logits = torch.cat([first.logits[0, len(prompt) - 1 :], rest.logits[0]])
     expected = torch.log_softmax(logits.double(), dim=-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(result.logprobs, dtype=torch.float64), expected, atol=1e-4)

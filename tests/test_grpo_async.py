@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import copy
+import dataclasses
 import json
 import random
 import signal
@@ -22,9 +23,14 @@ import torch
 
 from cookbook_lib import models
 from cookbook_lib.asyncio_utils import run_sync
+from cookbook_lib.codecs import make_codec
 from cookbook_lib.envs import Env, StepResult, Task
+from cookbook_lib.episode import EndCause, Episode
 from cookbook_lib.generators import HFGenerator
+from cookbook_lib.grpo.async_loop import CollectedGroup, RolloutCollector, task_for_group
 from cookbook_lib.grpo.config import GRPOConfig, WeightSyncType
+from cookbook_lib.grpo.length_mix import turn_bucket, turn_buckets
+from cookbook_lib.grpo.lockstep import tasks_for_step
 from cookbook_lib.grpo.replicas import GeneratorReplicas
 from cookbook_lib.grpo.train import TIMELINE_FILE, train_multi_turn
 from cookbook_lib.metrics import read_metrics
@@ -86,14 +92,31 @@ class SlowEnv(Env):
         self.log.closed += 1
 
 
+class LengthEnv(SlowEnv):
+    """As many turns as the task's ``turns`` metadata says; a random reward, so every group has signal."""
+
+    async def reset(self, task: Task) -> list[Message]:
+        self.turns = task.metadata.get("turns", self.turns)
+        return await super().reset(task)
+
+    async def step(self, message: Message) -> StepResult:
+        result = await super().step(message)
+        return dataclasses.replace(result, reward=self.rng.random()) if result.terminated else result
+
+
 WORDS = ("owls", "rain", "tea", "maps", "ice", "sun")
 TASKS = [Task(prompt=f"Tell me about {w}.", target=None) for w in WORDS]
+# Long-tailed lengths: 1, 1, 1, 2, 3 and 4 turns.
+LENGTH_TASKS = [
+    Task(prompt=f"Tell me about {w}.", target=None, metadata={"turns": n})
+    for w, n in zip(WORDS, (1, 1, 1, 2, 3, 4), strict=True)
+]
 VAL_TASKS = [Task(prompt=f"Validate {w}.", target=None) for w in ("one", "two")]
 
 
-def env_factory_for(log: EnvLog, **kwargs):
+def env_factory_for(log: EnvLog, env_class: type[SlowEnv] = SlowEnv, **kwargs):
     counter = iter(range(10**9))
-    return lambda task: SlowEnv(log, seed=next(counter), **kwargs)
+    return lambda task: env_class(log, seed=next(counter), **kwargs)
 
 
 def async_config(tiny_model_dir, tmp_path, **overrides) -> GRPOConfig:
@@ -133,15 +156,9 @@ def our_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith(ours)}
 
 
-@pytest.mark.parametrize("sync", [SYNCHRONOUS, BACKGROUND, PIPELINE])
-@pytest.mark.parametrize("max_age", [0, 1])
-def test_no_trained_group_is_older_than_the_bound_and_every_env_is_closed(
-    tiny_model_dir, tmp_path, sync, max_age
-):
-    log = EnvLog()
-    threads_before = our_threads()
-    config = async_config(tiny_model_dir, tmp_path, weight_sync_type=sync, max_steps_off_policy=max_age)
-    result = train_multi_turn(config, tasks=TASKS, env_factory=env_factory_for(log))
+def assert_no_trained_token_is_older_than_the_bound(result, config: GRPOConfig) -> None:
+    """Checked against the dumped per-token versions, not the loop's own bookkeeping."""
+    max_age = config.max_steps_off_policy
     metrics = {m["step"]: m for m in result.metrics}
     version_before = 0
     for step in range(1, config.num_steps + 1):
@@ -151,23 +168,164 @@ def test_no_trained_group_is_older_than_the_bound_and_every_env_is_closed(
         assert episodes, f"step {step} trained on nothing"
         for episode in episodes:
             versions = token_versions(episode)
-            # Independent of the loop's own bookkeeping: every token was sampled by a policy at
-            # most max_age optimizer steps older than the one being trained.
+            # Every token was sampled by a policy at most max_age optimizer steps older than the
+            # one being trained.
             assert min(versions) >= version_before - max_age, (step, versions)
             assert max(versions) <= version_before
             if max_age == 0:
                 assert set(versions) == {version_before}
-            if sync is not PIPELINE:  # these modes switch weights between requests only
+            if config.weight_sync_type is not PIPELINE:  # these switch weights between requests only
                 assert all(len(set(turn["policy_versions"])) == 1 for turn in episode["turns"])
         version_before = int(line["policy_version"])
+
+
+@pytest.mark.parametrize("sync", [SYNCHRONOUS, BACKGROUND, PIPELINE])
+@pytest.mark.parametrize("max_age", [0, 1])
+def test_no_trained_group_is_older_than_the_bound_and_every_env_is_closed(
+    tiny_model_dir, tmp_path, sync, max_age
+):
+    log = EnvLog()
+    threads_before = our_threads()
+    config = async_config(tiny_model_dir, tmp_path, weight_sync_type=sync, max_steps_off_policy=max_age)
+    assert config.stale_groups == "prevent"  # the default
+    result = train_multi_turn(config, tasks=TASKS, env_factory=env_factory_for(log))
+    assert_no_trained_token_is_older_than_the_bound(result, config)
+    # "prevent" starts a group only when it will be trained in time: none is ever dropped.
+    assert all(m["async/dropped_stale_groups"] == 0 for m in result.metrics[1:])
     assert log.created == log.closed > 0
     assert our_threads() <= threads_before
+
+
+@pytest.mark.parametrize("sync", [SYNCHRONOUS, BACKGROUND, PIPELINE])
+def test_requeued_groups_respect_the_bound_in_every_sync_mode(tiny_model_dir, tmp_path, sync):
+    log = EnvLog()
+    config = async_config(
+        tiny_model_dir,
+        tmp_path,
+        weight_sync_type=sync,
+        stale_groups="requeue",
+        max_steps_off_policy=0,
+        batch_size=1,
+        groups_in_flight=3,
+        num_steps=4,
+    )
+    result = train_multi_turn(
+        config, tasks=LENGTH_TASKS, env_factory=env_factory_for(log, LengthEnv, mean_delay_s=0.03)
+    )
+    assert_no_trained_token_is_older_than_the_bound(result, config)
+    steps = result.metrics[1:]
+    # Every group dropped was requeued (its task replayed), none lost.
+    dropped = sum(m["async/dropped_stale_groups"] for m in steps)
+    assert sum(m["async/requeued_groups"] for m in steps) == dropped
+    assert log.created == log.closed > 0
+
+
+def test_prevent_trains_lockstep_tasks_in_lockstep_order_and_drops_nothing(tiny_model_dir, tmp_path):
+    """Long-tailed lengths and tool delays, so groups finish out of order; the trainer still takes
+    them in the order they started, and each step trains what a lockstep step would have."""
+    log = EnvLog()
+    config = async_config(
+        tiny_model_dir,
+        tmp_path,
+        batch_size=2,
+        groups_in_flight=4,
+        max_steps_off_policy=1,
+        num_steps=4,
+        max_turns=4,  # every task ends on its own: random rewards, so every group has signal
+    )
+    result = train_multi_turn(
+        config, tasks=LENGTH_TASKS, env_factory=env_factory_for(log, LengthEnv, mean_delay_s=0.03)
+    )
+    for line in result.metrics[1:]:
+        assert line["async/dropped_stale_groups"] == 0
+        step_tasks = tasks_for_step(LENGTH_TASKS, config, line["step"], 0, config.batch_size)
+        expected = [task.prompt for task in step_tasks for _ in range(config.episodes_per_task)]
+        assert [e["task"]["prompt"] for e in trained_episodes(result.run_dir, line["step"])] == expected
+    assert log.created == log.closed
+
+
+def test_a_requeued_task_is_replayed_before_any_new_one(tiny_model_and_tokenizer, tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer
+    config = async_config("unused", tmp_path, stale_groups="requeue", groups_in_flight=1, max_turns=1)
+    log = EnvLog()
+
+    async def main() -> list[tuple[int, str]]:
+        generator = HFGenerator(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id)
+        replicas = GeneratorReplicas([generator])
+        collector = RolloutCollector(config, TASKS, env_factory_for(log), replicas, make_codec(tokenizer))
+        # Group 3 came back too old (the trainer took it and dropped it): its task goes first.
+        episodes = [
+            Episode(task=TASKS[0], messages=[], reward=0.0, end_cause=EndCause.TERMINATED, num_turns=2)
+        ]
+        collector.drop_stale(
+            CollectedGroup(episodes, index=3, replica=0, start_version=0, started_at=0, finished_at=0)
+        )
+        try:
+            taken = [await collector.take() for _ in range(2)]
+        finally:
+            await collector.stop()
+            await replicas.close()
+        assert collector.pop_dropped_turns() == [2]
+        assert (collector.dropped_stale, collector.requeued) == (1, 1)
+        return [(group.index, group.episodes[0].task.prompt) for group in taken]
+
+    played = run_sync(main())
+    assert played == [
+        (3, task_for_group(TASKS, config, 3).prompt),
+        (0, task_for_group(TASKS, config, 0).prompt),
+    ]
+    assert log.created == log.closed
+
+
+def bucket_counts(episodes: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for episode in episodes:
+        bucket = turn_bucket(episode["num_turns"])
+        counts[bucket] = counts.get(bucket, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "async-drop"])
+def test_length_metrics_match_the_dumped_episodes(tiny_model_dir, tmp_path, mode):
+    log = EnvLog()
+    overrides = (
+        dict(max_steps_off_policy=None, groups_in_flight=None)
+        if mode == "lockstep"
+        else dict(stale_groups="drop", max_steps_off_policy=0, batch_size=1, groups_in_flight=3)
+    )
+    config = async_config(tiny_model_dir, tmp_path, max_turns=4, num_steps=3, **overrides)
+    result = train_multi_turn(
+        config, tasks=LENGTH_TASKS, env_factory=env_factory_for(log, LengthEnv, mean_delay_s=0.03)
+    )
+    buckets = turn_buckets(config.max_turns)
+    for line in result.metrics[1:]:
+        # Every group has signal (random rewards), so every dumped episode was trained.
+        episodes = trained_episodes(result.run_dir, line["step"])
+        counts = bucket_counts(episodes)
+        assert line["length/trained_episodes_total"] == len(episodes)
+        for bucket in buckets:
+            share = line[f"length/trained_episodes/{bucket}"]
+            assert share == pytest.approx(counts.get(bucket, 0) / len(episodes))
+        assert sum(line[f"length/trained_tokens/{b}"] for b in buckets) == pytest.approx(1.0)
+        assert line["length/trained_tokens_total"] == line["sampled_tokens"]
+        dropped = sum(line[f"length/dropped_stale_groups/{b}"] for b in buckets)
+        assert dropped == line.get("async/dropped_stale_groups", 0.0)
+        assert sum(line[f"length/groups/{b}"] for b in buckets) == line["num_groups"] + dropped
+    if mode == "async-drop":  # one group trained per step, three in flight: some went stale
+        assert sum(line["async/dropped_stale_groups"] for line in result.metrics[1:]) >= 1
+    assert log.created == log.closed
 
 
 def test_stale_groups_are_dropped_counted_and_closed(tiny_model_dir, tmp_path):
     log = EnvLog()
     config = async_config(
-        tiny_model_dir, tmp_path, batch_size=1, groups_in_flight=4, max_steps_off_policy=0, num_steps=4
+        tiny_model_dir,
+        tmp_path,
+        batch_size=1,
+        groups_in_flight=4,
+        max_steps_off_policy=0,
+        num_steps=4,
+        stale_groups="drop",
     )
     result = train_multi_turn(config, tasks=TASKS, env_factory=env_factory_for(log, mean_delay_s=0.05))
     dropped = sum(m.get("async/dropped_stale_groups", 0) for m in result.metrics)

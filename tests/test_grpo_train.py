@@ -11,6 +11,7 @@ import torch
 from cookbook_lib import models
 from cookbook_lib.envs import Task
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
+from cookbook_lib.grpo.resume_rules import read_config_history
 from cookbook_lib.grpo.train import SingleTurnEnv, WarmStart, train_multi_turn, train_single_turn
 from cookbook_lib.metrics import read_metrics
 from cookbook_lib.sft import Demonstration
@@ -113,6 +114,39 @@ def test_an_interrupted_run_resumes_without_duplicating_or_losing_steps(tiny_mod
     assert result.metrics[-1]["policy_version"] >= result.metrics[1]["policy_version"]
     with pytest.raises(ValueError, match="different config"):
         run_single_turn(dataclasses.replace(config, learning_rate=5e-4))
+
+
+def test_a_finished_run_extends_with_a_larger_num_steps(tiny_model_dir, tmp_path):
+    config = tiny_config(tiny_model_dir, tmp_path, num_steps=2, validation_interval=0, checkpoint_interval=0)
+    run_dir = tmp_path / "tiny"
+    run_single_turn(config)
+    before = read_metrics(run_dir)
+    assert [m["step"] for m in before] == [0, 1, 2]
+
+    # Refused before anything loads: what is trained changed, or the run would be shortened.
+    # Only learning_rate is listed as refused; num_steps may change.
+    with pytest.raises(ValueError, match=r"trained \(learning_rate: 0\.001 in the run, 0\.0005 now\)\."):
+        run_single_turn(dataclasses.replace(config, num_steps=4, learning_rate=5e-4))
+    with pytest.raises(ValueError, match="num_steps=1 is below step 2 of the run's last checkpoint"):
+        run_single_turn(dataclasses.replace(config, num_steps=1))
+
+    trained = []
+    extended = dataclasses.replace(config, num_steps=4, validation_interval=3, checkpoint_interval=1)
+    result = run_single_turn(extended, on_step=lambda outcome: trained.append(outcome.step))
+    assert trained == [3, 4]  # continued after the last checkpoint: step 0 and steps 1-2 not redone
+    assert [m["step"] for m in result.metrics] == [0, 1, 2, 3, 4]
+    assert result.metrics[:3] == before  # the first run's lines, untouched
+    assert "val/reward_mean" in result.metrics[3]  # the new validation_interval applies
+    assert (run_dir / "episodes" / "step_000004.jsonl").is_file()
+    assert GRPOConfig.from_yaml(run_dir / "config.yaml") == dataclasses.replace(extended, max_turns=1)
+    history = read_config_history(run_dir)
+    assert [(h["start_step"], h["num_steps"]) for h in history] == [(0, 2), (2, 4)]
+    assert history[0]["changed"] == {}
+    assert history[1]["changed"] == {
+        "num_steps": {"before": 2, "after": 4},
+        "validation_interval": {"before": 0, "after": 3},
+        "checkpoint_interval": {"before": 0, "after": 1},
+    }
 
 
 def test_warm_start_then_grpo(tiny_model_dir, tmp_path):

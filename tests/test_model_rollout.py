@@ -15,9 +15,9 @@ import torch
 
 from cookbook_lib.codecs import make_codec
 from cookbook_lib.envs import Env, StepResult, Task
-from cookbook_lib.episode import EndCause, Episode
+from cookbook_lib.episode import EndCause, Episode, EpisodeError
 from cookbook_lib.evaluate import evaluate_async, read_episodes
-from cookbook_lib.generators import Generator, HFGenerator, SampleResult, SamplingParams
+from cookbook_lib.generators import Generator, GeneratorClosedError, HFGenerator, SampleResult, SamplingParams
 from cookbook_lib.model_policy import ModelPolicy
 from cookbook_lib.rollout import run_episode, run_group
 from cookbook_lib.types import Message, ToolSpec, make_tool_call
@@ -164,6 +164,65 @@ def test_a_tool_output_that_fills_the_context_is_a_context_overflow(codec):
     episode = play(env, ScriptedGenerator([reply]), codec, max_model_length=prompt_length + len(reply) + 8)
     assert episode.end_cause is EndCause.CONTEXT_OVERFLOW
     assert episode.messages[-1]["role"] == "tool" and env.closed == 1
+
+
+# Defence in depth: a failure inside ModelPolicy ends one episode, not the run.
+
+
+class FailingGenerator(ScriptedGenerator):
+    """Serves its replies, then raises ``error`` (standing in for any bug behind ModelPolicy)."""
+
+    def __init__(self, replies: list[list[int]], error: Exception) -> None:
+        super().__init__(replies)
+        self.error = error
+
+    async def sample(self, prompt_tokens: list[int], params: SamplingParams) -> SampleResult:
+        if not self.replies:
+            raise self.error
+        return await super().sample(prompt_tokens, params)
+
+
+def test_a_model_policy_failure_ends_its_episode_as_error_with_the_traceback(codec):
+    env = CountingGameEnv()
+    first = expert_replies(codec)[:1]  # a valid tool call, so a second turn is sampled
+    episode = play(env, FailingGenerator(first, ValueError("sampler bug 7")), codec, max_tokens=256)
+    assert episode.end_cause is EndCause.ERROR and episode.reward == 0.0
+    assert episode.error.startswith("ModelPolicy raised:\nTraceback") and "sampler bug 7" in episode.error
+    assert len(episode.turns) == 1 and env.closed == 1
+
+
+def test_a_model_policy_failure_stops_the_run_with_on_env_error_raise(codec):
+    env = CountingGameEnv()
+    policy = ModelPolicy(FailingGenerator([], ValueError("sampler bug")), codec, SamplingParams(), 2048)
+    with pytest.raises(EpisodeError, match="ModelPolicy failed") as info:
+        asyncio.run(run_episode(env, TASK, policy, max_turns=3, on_env_error="raise"))
+    assert isinstance(info.value.__cause__, ValueError) and env.closed == 1
+
+
+def test_one_failing_model_policy_leaves_the_rest_of_its_group_playing(codec):
+    replies = expert_replies(codec)
+    generators = iter(
+        [FailingGenerator([], RuntimeError("boom")), *(ScriptedGenerator(replies) for _ in range(2))]
+    )
+    sampling = SamplingParams(max_tokens=256)
+    episodes = asyncio.run(
+        run_group(
+            lambda task: CountingGameEnv(),
+            TASK,
+            lambda: ModelPolicy(next(generators), codec, sampling, 2048),
+            3,
+            max_turns=8,
+        )
+    )
+    assert [e.end_cause for e in episodes] == [EndCause.ERROR, EndCause.TERMINATED, EndCause.TERMINATED]
+
+
+def test_a_closed_generator_still_propagates_from_a_model_policy(codec):
+    env = CountingGameEnv()
+    policy = ModelPolicy(FailingGenerator([], GeneratorClosedError("closed")), codec, SamplingParams(), 2048)
+    with pytest.raises(GeneratorClosedError):
+        asyncio.run(run_episode(env, TASK, policy, max_turns=3))
+    assert env.closed == 1
 
 
 # With the real tiny model behind the real batching generator.

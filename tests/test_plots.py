@@ -71,9 +71,23 @@ def test_reward_histogram_stacks_one_trace_per_cause_present():
     assert bins == {(-1.05, 1.05, 0.1)}
 
 
+def test_reward_histogram_stays_readable_when_every_reward_is_equal():
+    for reward in (0.0, 1.0, -3.0):
+        figure = reward_histogram([_episode(EndCause.TERMINATED, reward)] * 3)
+        (trace,) = figure.data
+        low, high = figure.layout.xaxis.range
+        # One narrow bar in the middle of a fixed range, not one bar as wide as the axis.
+        assert (low + high) / 2 == pytest.approx(reward)
+        assert trace.xbins.size / (high - low) <= 0.1
+        assert trace.xbins.start < reward < trace.xbins.end
+        assert reward in figure.layout.xaxis.tickvals  # the value is written under the bar
+        (note,) = figure.layout.annotations
+        assert note.text == f"all 3 episodes earned {reward:g}"
+    spread = reward_histogram(EPISODES)
+    assert spread.layout.xaxis.range is None and not spread.layout.annotations  # plotly's own range
+
+
 def test_reward_histogram_bins_and_errors():
-    single = reward_histogram([_episode(EndCause.TERMINATED, 0.0)] * 3)
-    assert single.data[0].xbins.size == 1.0  # one distinct reward: one bin of width 1 around it
     assert reward_histogram(EPISODES, bin_size=0.5).data[0].xbins.size == 0.5
     with pytest.raises(ValueError, match="no episodes"):
         reward_histogram([])

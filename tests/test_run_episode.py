@@ -8,7 +8,7 @@ import pytest
 
 from cookbook_lib.envs import Env, StepResult, Task
 from cookbook_lib.episode import EndCause, Episode, EpisodeError
-from cookbook_lib.rollout import PolicyStep, run_episode
+from cookbook_lib.rollout import ContainedPolicy, PolicyStep, run_episode
 from cookbook_lib.types import Message, ToolSpec
 
 TASK = Task(prompt="count to three", target="3", metadata={"id": 7})
@@ -195,6 +195,30 @@ def test_policy_errors_propagate_after_close():
     with pytest.raises(ZeroDivisionError):
         play(env, policy)
     assert env.closed == 1
+
+
+class LibraryPolicy(ContainedPolicy):
+    """A library-side policy that fails: ValueError ends the episode, KeyError stops the run."""
+
+    propagating_errors = (KeyError,)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __call__(self, messages, tool_specs):
+        raise self.error
+
+
+def test_a_library_policy_failure_ends_only_its_episode():
+    env = ScriptedEnv()
+    episode = play(env, LibraryPolicy(ValueError("library bug")))
+    assert episode.end_cause is EndCause.ERROR and episode.reward == 0.0
+    assert episode.error.startswith("LibraryPolicy raised:\n") and "library bug" in episode.error
+    assert env.closed == 1
+    with pytest.raises(EpisodeError, match="LibraryPolicy failed"):
+        play(ScriptedEnv(), LibraryPolicy(ValueError("library bug")), on_env_error="raise")
+    with pytest.raises(KeyError):
+        play(ScriptedEnv(), LibraryPolicy(KeyError("shutting down")))
 
 
 def test_a_policy_returning_garbage_is_a_clear_type_error():

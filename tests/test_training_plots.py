@@ -13,7 +13,10 @@ from cookbook_lib.metrics import MetricsLogger
 from cookbook_lib.training_plots import (
     ASYNC_PANELS,
     CURVES,
+    EMPTY_TEXT,
+    HORIZONTAL_SPACING,
     PANEL_TITLES,
+    PLACEHOLDER_NAME,
     TRAINING_PANELS,
     Curve,
     LiveTrainingPlots,
@@ -21,6 +24,7 @@ from cookbook_lib.training_plots import (
     Panels,
     curve_points,
     metrics_table_figure,
+    step_axis_range,
     training_curves_figure,
 )
 
@@ -52,6 +56,22 @@ METRICS = [
 ]
 
 
+def _titles(figure):
+    """The panel titles (the unnamed annotations; "no data yet" notes are named)."""
+    return [a for a in figure.layout.annotations if a.name is None]
+
+
+def _empty_notes(figure) -> dict[str, bool]:
+    """Panel axis ("x", "x2", ...) -> whether its "no data yet" note shows."""
+    notes = [a for a in figure.layout.annotations if a.name]
+    assert {a.text for a in notes} <= {EMPTY_TEXT, "no data"}  # live / finished
+    return {a.xref.removesuffix(" domain"): a.visible is not False for a in notes}
+
+
+def _xaxes(figure):
+    return [figure.layout[name] for name in sorted(figure.layout) if name.startswith("xaxis")]
+
+
 def _trace(figure, name):
     (trace,) = [trace for trace in figure.data if trace.name == name]
     return trace
@@ -79,10 +99,19 @@ def test_each_curve_goes_to_its_panel():
     assert figure.layout.legend.groupclick == "toggleitem"
 
 
+def _curves(figure) -> list[str]:
+    """The names of the drawn curves (not the placeholders that keep empty panels' axes)."""
+    return [trace.name for trace in figure.data if trace.name != PLACEHOLDER_NAME]
+
+
 def test_missing_metrics_leave_their_curves_out():
     figure = training_curves_figure([{"step": 1, "reward_mean": 0.1}, {"step": 2}])
-    assert [trace.name for trace in figure.data] == ["train reward"]
-    assert training_curves_figure([]).data == ()
+    assert _curves(figure) == ["train reward"]
+    assert _curves(training_curves_figure([])) == []
+    # Each empty panel keeps its axes with one empty trace, out of the legend.
+    placeholders = [trace for trace in figure.data if trace.name == PLACEHOLDER_NAME]
+    assert [trace.xaxis for trace in placeholders] == ["x2", "x3", "x4"]
+    assert all(trace.showlegend is False and len(trace.x) == 0 for trace in placeholders)
 
 
 def test_nan_inf_text_and_bools_are_not_points():
@@ -234,7 +263,7 @@ def test_the_default_panels_are_the_training_curves():
     assert TRAINING_PANELS.curves == CURVES
     assert tuple(panel.title for panel in TRAINING_PANELS.panels) == PANEL_TITLES
     figure = training_curves_figure(METRICS)
-    assert [a.text for a in figure.layout.annotations] == list(PANEL_TITLES)
+    assert [a.text for a in _titles(figure)] == list(PANEL_TITLES)
     assert tuple(figure.layout.yaxis2.range) == (-0.05, 1.05)  # the end-cause ratios keep a fixed scale
 
 
@@ -249,14 +278,14 @@ def test_async_panels_plot_waiting_stale_groups_and_policy_age():
         "mean age": ("x4", [1, 2], [0.0, 0.75]),
         "max age": ("x4", [1, 2], [0.0, 1.0]),
     }
-    assert sorted(trace.name for trace in figure.data) == sorted(expected)
+    assert sorted(_curves(figure)) == sorted(expected)
     for name, (axis, steps, values) in expected.items():
         trace = _trace(figure, name)
         assert (trace.xaxis, list(trace.x), list(trace.y)) == (axis, steps, values), name
     assert figure.layout.yaxis3.rangemode == "tozero"  # no drops reads as 0, not as a flat line at 0.5
     # A lockstep run has no async metrics: only its rewards (and step time) are drawn.
     lockstep = training_curves_figure(METRICS, panels=ASYNC_PANELS)
-    assert sorted(trace.name for trace in lockstep.data) == [
+    assert sorted(_curves(lockstep)) == [
         "train reward",
         "validation reward",
         "whole step",
@@ -282,8 +311,90 @@ def test_panels_can_be_any_number_and_check_their_curves():
     )
     assert three.rows == 2 and [three.cell(i) for i in (1, 2, 3)] == [(1, 1), (1, 2), (2, 1)]
     figure = training_curves_figure([{"step": 1, "reward_mean": 1.0, "x": 0.5}], panels=three)
-    assert [trace.xaxis for trace in figure.data] == ["x", "x3"]
+    assert [trace.xaxis for trace in figure.data if trace.name != PLACEHOLDER_NAME] == ["x", "x3"]
+    assert [a.xref for a in figure.layout.annotations if a.visible is not False and a.name] == ["x2 domain"]
     with pytest.raises(ValueError, match="panel 5"):
         Panels(panels=three.panels, curves=(Curve("k", "k", 5, "red"),))
     with pytest.raises(ValueError, match="not both"):
         Panel("D", "d", y_range=(0, 1), from_zero=True)
+
+
+# --- layout: width, titles, a shared step axis, empty panels -----------------------------------
+
+
+def test_the_figures_fill_the_width_they_are_given():
+    for figure in (training_curves_figure(METRICS), LiveTrainingPlots(num_steps=3).figure):
+        assert figure.layout.autosize is True and figure.layout.width is None
+
+
+# A narrow notebook (about 800 px) less the margins and the legend, and an upper bound of the mean
+# glyph width of plotly's default font, per pixel of font size.
+NARROW_PLOT_PX = 520
+GLYPH_WIDTH = 0.62
+
+
+@pytest.mark.parametrize("panels", [TRAINING_PANELS, ASYNC_PANELS])
+def test_panel_titles_never_collide(panels):
+    figure = training_curves_figure(METRICS, panels=panels)
+    titles = _titles(figure)
+    assert [t.text for t in titles] == [p.title for p in panels.panels]
+    column_px = NARROW_PLOT_PX * (1 - HORIZONTAL_SPACING) / 2
+    between_centres_px = column_px + NARROW_PLOT_PX * HORIZONTAL_SPACING
+    widths = [len(t.text) * t.font.size * GLYPH_WIDTH for t in titles]
+    for title, width in zip(titles, widths, strict=True):
+        # Over its own panel: a right-column title must not run into the legend beside the plot.
+        assert width / 2 <= column_px / 2 + 20, title.text
+    for left, right in zip(widths[0::2], widths[1::2], strict=False):  # the two titles of a row
+        assert (left + right) / 2 + 10 <= between_centres_px
+    # Between two rows: the upper row's tick labels (~20 px) and the lower row's title, one line.
+    layout = figure.layout
+    plot_px = layout.height - layout.margin.t - layout.margin.b
+    gap_px = (layout.yaxis.domain[0] - layout.yaxis3.domain[1]) * plot_px
+    assert gap_px >= 20 + 1.5 * titles[0].font.size + 20
+    # Above the first row: the figure's title, pinned to the top, then the first titles.
+    assert layout.title.yref == "container" and layout.title.yanchor == "top"
+    assert layout.margin.t >= 1.5 * 17 + 1.5 * titles[0].font.size + 30
+    assert all(t.y == 1.0 and t.yanchor == "bottom" for t in titles[:2])
+
+
+def test_panels_share_one_step_axis_from_step_zero_to_the_last_step():
+    live = LiveTrainingPlots(num_steps=10)
+    for figure, last in ((training_curves_figure(METRICS), 3), (live.figure, 10)):
+        axes = _xaxes(figure)
+        assert len(axes) == 4
+        # One axis the others match: zooming one panel zooms them all.
+        assert len({axis.matches for axis in axes if axis.matches}) == 1
+        assert sum(axis.matches is None for axis in axes) == 1
+        for axis in axes:
+            assert tuple(axis.range) == tuple(step_axis_range(last))
+            assert axis.range[0] < 0 and last < axis.range[1] < last + 1  # markers at 0 and the end show
+            assert axis.showticklabels is True and axis.dtick >= 1
+    live(_outcome(1, 0.5))  # before any step the axis already spans the whole run, and keeps it
+    assert tuple(_xaxes(live.figure)[0].range) == tuple(step_axis_range(10))
+    assert training_curves_figure(METRICS, num_steps=20).layout.xaxis.range[1] > 20
+
+
+def test_without_num_steps_the_live_axis_grows_with_the_run():
+    live = LiveTrainingPlots()
+    assert tuple(live.figure.layout.xaxis.range) == tuple(step_axis_range(1))
+    live(_outcome(1, 0.5))
+    live(_outcome(25, 0.5))
+    axis = live.figure.layout.xaxis
+    assert tuple(axis.range) == tuple(step_axis_range(25)) and axis.dtick == 3
+
+
+def test_an_empty_panel_says_so_until_its_first_point():
+    live = LiveTrainingPlots(num_steps=3)
+    assert _empty_notes(live.figure) == {"x": True, "x2": True, "x3": True, "x4": True}
+    assert {a.text for a in live.figure.layout.annotations if a.name} == {EMPTY_TEXT}
+    assert live.figure.layout.yaxis.showticklabels is False
+    live.update({"step": 0, "val/reward_mean": 0.25})  # validation only: the reward panel has data
+    assert _empty_notes(live.figure) == {"x": False, "x2": True, "x3": True, "x4": True}
+    assert live.figure.layout.yaxis.showticklabels is True
+    live(StepOutcome(step=1, metrics=dict(METRICS[1]), episodes=[]))
+    assert not any(_empty_notes(live.figure).values())
+    # The static figure too: a lockstep run drawn with the async panels has no stale groups or ages.
+    figure = training_curves_figure(METRICS, panels=ASYNC_PANELS)
+    assert _empty_notes(figure) == {"x": False, "x2": False, "x3": True, "x4": True}
+    assert _empty_notes(training_curves_figure([])) == {"x": True, "x2": True, "x3": True, "x4": True}
+    assert {a.text for a in figure.layout.annotations if a.name} == {"no data"}  # the run is over

@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import itertools
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ from transformers import PreTrainedTokenizerBase
 
 from cookbook_lib.codecs import hermes
 from cookbook_lib.types import Message, ToolSpec, make_tool_call
+
+logger = logging.getLogger(__name__)
 
 
 class UnsupportedChatTemplateError(ValueError):
@@ -144,20 +147,39 @@ class Codec(abc.ABC):
         Tool calls get fresh ids ``call_<n>`` (unique for this codec) and their arguments as a JSON
         string. A reply without ``<tool_call>`` is a plain final answer. Malformed tool calls give
         ``message=None`` and the reason in ``error``; the rollout ends the episode as PARSE_FAILURE.
+
+        Never raises: sampled tokens are untrusted input, and one degenerate reply must end one
+        episode, not the run. Arguments are plain JSON values (see :mod:`cookbook_lib.plain_json`);
+        special tokens in the middle of a reply are kept in its text like any other token; a reply
+        longer than :data:`hermes.MAX_REPLY_CHARS` characters is a failure without being scanned.
         """
         tokens = list(sampled_tokens)
         if tokens and tokens[-1] in self.stop_token_ids:
             tokens.pop()
-        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        try:
+            # No "clean-up" of spaces: the text must be exactly what the tokens say (some saved
+            # tokenizers ask for it; transformers then logs a warning for BPE and skips it anyway).
+            text = self.tokenizer.decode(
+                tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        except Exception as exc:  # ids outside the vocabulary (negative, too large)
+            return ParseResult(
+                message=None, error=f"the sampled token ids cannot be decoded: {exc!r}", text=""
+            )
         try:
             content, calls = hermes.split_reply(text)
+            arguments = [json.dumps(args, ensure_ascii=False, allow_nan=False) for _, args in calls]
         except hermes.ToolCallFormatError as exc:
             return ParseResult(message=None, error=str(exc), text=text)
+        except Exception as exc:
+            # The parser's own bug, not the model's: still one failed reply, never a failed run.
+            logger.exception("the reply parser raised on a sampled reply; it is counted as a parse failure")
+            return ParseResult(message=None, error=f"the parser failed on this reply: {exc!r}", text=text)
         message = Message(role="assistant", content=content)
         if calls:
             message["tool_calls"] = [
-                make_tool_call(f"call_{next(self._call_numbers)}", name, json.dumps(args, ensure_ascii=False))
-                for name, args in calls
+                make_tool_call(f"call_{next(self._call_numbers)}", name, encoded)
+                for (name, _), encoded in zip(calls, arguments, strict=True)
             ]
         return ParseResult(message=message, error=None, text=text)
 

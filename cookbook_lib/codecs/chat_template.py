@@ -74,7 +74,9 @@ class ChatTemplateCodec(Codec):
             # (Decoded only to compare; the tokens appended are the template's own.)
             prompt = self._render_text(history[:-1], tool_specs, add_generation_prompt=True)
             closed = [*sampled_tokens, *self.close_turn(sampled_tokens)]
-            seen = prompt + self.tokenizer.decode(closed, skip_special_tokens=False)
+            seen = prompt + self.tokenizer.decode(
+                closed, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
             suffix = self._suffix_after(seen, after, after_ids)
         if suffix is None:
             return Continuation(tokens=after_ids, restarted=True)

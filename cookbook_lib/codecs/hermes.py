@@ -14,6 +14,11 @@ parser accepts that form and any whitespace variant of it. The parser is strict 
 a reply that does not say exactly ``{"name": <string>, "arguments": <object>}`` is a parse failure,
 because a lenient parser would reward malformed calls the next tool-calling stack will reject.
 
+A reply is untrusted input, so the parser never raises anything but :class:`ToolCallFormatError`,
+whatever the text: the JSON is read by :func:`cookbook_lib.plain_json.loads_plain_json` (bounded
+nesting and number size, no ``NaN``/``Infinity``, no unpaired surrogates), and a reply longer than
+:data:`MAX_REPLY_CHARS` is refused before it is scanned, so one parse takes bounded time.
+
 Nothing here knows about tokens; the codecs in this package add the tokenizer.
 """
 
@@ -23,10 +28,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from cookbook_lib.plain_json import MAX_JSON_CHARS, PlainJSONError, loads_plain_json
 from cookbook_lib.types import Message, ToolCall, ToolSpec
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+# Longest reply text parsed (about 50k tokens of ordinary text, far above any per-turn sampling
+# budget): every step of the parser is linear in it, so this bounds the time of one parse.
+MAX_REPLY_CHARS = MAX_JSON_CHARS
 
 # The wording follows Qwen2.5's template, which many open models were trained on, plus one line
 # saying where results come back (our ChatML rendering puts them in ``tool`` turns).
@@ -62,9 +71,11 @@ def arguments_object(call: ToolCall) -> dict[str, Any]:
     decoded so that every call in a prompt is written the same canonical way."""
     name = call["function"]["name"]
     try:
-        arguments = json.loads(call["function"]["arguments"])
+        arguments = loads_plain_json(call["function"]["arguments"])
     except json.JSONDecodeError as exc:
         raise ValueError(f"tool call {name!r}: arguments are not valid JSON ({exc.msg})") from exc
+    except PlainJSONError as exc:
+        raise ValueError(f"tool call {name!r}: {exc}") from exc
     if not isinstance(arguments, dict):
         raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {_json_type(arguments)}")
     return arguments
@@ -88,8 +99,14 @@ def split_reply(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
 
     The content is the text outside the ``<tool_call>`` blocks, each piece stripped, joined by
     newlines. Raises :class:`ToolCallFormatError` for an unclosed or nested block, a stray
-    closing tag, or a block whose JSON is not exactly ``{"name": ..., "arguments": {...}}``.
+    closing tag, a block whose JSON is not exactly ``{"name": ..., "arguments": {...}}`` or not
+    plain JSON, and a reply longer than :data:`MAX_REPLY_CHARS`.
     """
+    if len(text) > MAX_REPLY_CHARS:
+        raise ToolCallFormatError(
+            f"the reply is {len(text)} characters long; at most {MAX_REPLY_CHARS} are parsed (a runaway "
+            "reply: lower max_tokens_per_turn if replies this long are expected to be cut)"
+        )
     pieces: list[str] = []
     calls: list[tuple[str, dict[str, Any]]] = []
     position = 0
@@ -124,12 +141,14 @@ def split_reply(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
 def _decode_call(body: str, number: int) -> tuple[str, dict[str, Any]]:
     where = f"tool call {number}"
     try:
-        payload = json.loads(body)
+        payload = loads_plain_json(body)
     except json.JSONDecodeError as exc:
         snippet = body.strip()[:200]
         raise ToolCallFormatError(
             f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): {snippet!r}"
-        ) from exc
+        ) from None
+    except PlainJSONError as exc:
+        raise ToolCallFormatError(f"{where} is not plain JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise ToolCallFormatError(
             f'{where} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_type(payload)}'

@@ -8,13 +8,16 @@ as a ``role="tool"`` message starting with ``tool_error:`` and the episode goes 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import jsonschema
 
 from cookbook_lib.envs.base import Tool
+from cookbook_lib.plain_json import PlainJSONError, loads_plain_json
 from cookbook_lib.types import Message, ToolCall
 
 TOOL_ERROR_PREFIX = "tool_error: "
@@ -34,24 +37,52 @@ class ToolArgumentError(ValueError):
     """The arguments of a call do not fit the tool; the message is shown to the model."""
 
 
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` cut to about ``limit`` characters, for echoing model output back in an error message
+    (a 100k-character argument quoted in full would fill the model's context)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 40]}...{text[-20:]} ({len(text)} characters)"
+
+
 def parse_arguments(tool: Tool, arguments: str) -> dict:
-    """Decode ``arguments`` and check them against ``tool.parameters_schema``."""
+    """Decode ``arguments`` and check them against ``tool.parameters_schema``.
+
+    The arguments must be plain JSON (:func:`cookbook_lib.plain_json.loads_plain_json`: no NaN or
+    Infinity, bounded nesting and size), so a tool only ever sees values any JSON reader accepts.
+    """
     try:
-        decoded = json.loads(arguments) if arguments.strip() else {}
+        decoded = loads_plain_json(arguments) if arguments.strip() else {}
     except json.JSONDecodeError as exc:
         raise ToolArgumentError(f"arguments of {tool.name} are not valid JSON ({exc.msg})") from None
+    except PlainJSONError as exc:
+        raise ToolArgumentError(f"arguments of {tool.name} are not plain JSON: {exc}") from None
     if not isinstance(decoded, dict):
         raise ToolArgumentError(
             f"arguments of {tool.name} must be a JSON object, got {type(decoded).__name__}"
         )
-    try:
-        jsonschema.validate(decoded, tool.parameters_schema)
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(part) for part in exc.absolute_path)
+    # What jsonschema.validate does, with the validator built once per schema: validate() checks
+    # the schema itself on every call, milliseconds that add up over thousands of calls.
+    error = jsonschema.exceptions.best_match(_schema_validator(tool.parameters_schema).iter_errors(decoded))
+    if error is not None:
+        where = shorten("/".join(str(part) for part in error.absolute_path))
         raise ToolArgumentError(
-            f"bad arguments for {tool.name}{' at ' + where if where else ''}: {exc.message}"
-        ) from None
+            f"bad arguments for {tool.name}{' at ' + where if where else ''}: {shorten(error.message)}"
+        )
     return decoded
+
+
+def _schema_validator(schema: Mapping[str, Any]) -> Any:
+    # Keyed by the schema's JSON text: schemas are mutable dicts, and equal ones can share one.
+    return _validator_for_text(json.dumps(schema, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _validator_for_text(schema_text: str) -> Any:
+    schema = json.loads(schema_text)
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator_class.check_schema(schema)  # a broken schema raises here, as jsonschema.validate would
+    return validator_class(schema)
 
 
 async def run_tool_call(
@@ -65,7 +96,7 @@ async def run_tool_call(
         tool = tools.get(name)
         if tool is None:
             known = ", ".join(sorted(tools)) or "none"
-            raise ToolArgumentError(f"unknown tool {name!r}; available tools: {known}")
+            raise ToolArgumentError(f"unknown tool {shorten(repr(name))}; available tools: {known}")
         arguments = function.get("arguments", "")
         if not isinstance(arguments, str):  # some clients send an already-decoded object
             arguments = json.dumps(arguments)
@@ -77,7 +108,7 @@ async def run_tool_call(
     except TimeoutError:
         content, failed, stop = f"{TOOL_ERROR_PREFIX}{name} timed out after {timeout_s} s", True, False
     except Exception as exc:  # a tool's own failure is the model's feedback, not a crash
-        content, failed, stop = f"{TOOL_ERROR_PREFIX}{exc!r}", True, False
+        content, failed, stop = f"{TOOL_ERROR_PREFIX}{shorten(repr(exc), 500)}", True, False
     return Message(role="tool", content=content, tool_call_id=call_id, name=name), failed, stop
 
 

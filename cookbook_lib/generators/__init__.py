@@ -1,7 +1,8 @@
 """Generators: sample completions (tokens, log-probs, policy versions) for many concurrent episodes.
 
 ``Generator`` is the interface rollouts use; ``HFGenerator`` is the transformers backend that
-batches concurrent requests. A vLLM backend and remote replicas implement the same interface.
+batches concurrent requests; ``VLLMGenerator`` (optional, GPU) runs an in-process vLLM engine
+behind the same interface. ``factory.make_generator`` builds either from a backend name.
 """
 
 from cookbook_lib.generators.base import (
@@ -13,6 +14,7 @@ from cookbook_lib.generators.base import (
 )
 from cookbook_lib.generators.hf import HFGenerator
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo
+from cookbook_lib.generators.vllm import VLLMGenerator
 
 __all__ = [
     "FinishReason",
@@ -23,4 +25,5 @@ __all__ = [
     "SampleResult",
     "SamplingParams",
     "StepInfo",
+    "VLLMGenerator",
 ]

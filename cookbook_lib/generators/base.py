@@ -126,6 +126,17 @@ class Generator(abc.ABC):
     async def close(self) -> None:
         """Stop serving: pending and in-flight requests fail with ``GeneratorClosedError``."""
 
+    async def sleep(self) -> None:  # noqa: B027 - optional; a no-op unless a backend needs it
+        """Free the accelerator memory this generator holds, for a training step that needs it.
+
+        Samples in flight finish first. The next ``sample`` or ``update_weights`` wakes the
+        generator. The lockstep loop calls this before each optimizer step; a generator that
+        shares no memory with training (``HFGenerator``) does nothing.
+        """
+
+    async def wake_up(self) -> None:  # noqa: B027 - optional, as sleep
+        """Take back what ``sleep`` freed now, rather than at the next ``sample`` (optional)."""
+
     async def __aenter__(self) -> Generator:
         return self
 

@@ -102,6 +102,7 @@ class DecodeBatch:
         self._last_tokens_B = torch.zeros(0, dtype=torch.long, device=device)
         # Computing logits for the last prompt position only saves a [prompt, vocab] matmul per row.
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = kv_cache.cache_keyword(model)  # its name changed in transformers 5.24
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -152,10 +153,16 @@ class DecodeBatch:
             input_ids=ids_BL,
             attention_mask=mask_BL,
             position_ids=positions_BL,
-            cache=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
             **extra,
         )
+        if not kv_cache.is_filled(cache):
+            raise RuntimeError(
+                f"{type(self.model).__name__}.forward left the KV cache passed as `{self._cache_keyword}=` "
+                "empty: this transformers version takes it under another name. Install a transformers "
+                "version from the range in pyproject.toml."
+            )
         logits_BV = output.logits[:, -1]
         if len(fed) < len(requests):
             expand_B = torch.tensor(owner_B, device=self.device)
@@ -183,8 +190,8 @@ class DecodeBatch:
             input_ids=self._last_tokens_B[:, None],
             attention_mask=mask_BL,
             position_ids=positions_B1,
-            cache=self._cache,
             use_cache=True,
+            **{self._cache_keyword: self._cache},
         )
         self._mask_BL = mask_BL
         self._last_tokens_B = self._sample(self.rows, output.logits[:, -1], version)

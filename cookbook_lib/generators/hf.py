@@ -42,6 +42,10 @@ from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 
 logger = logging.getLogger(__name__)
 
+# The prefix cache's default token bound: room for 16 episodes of 1024 tokens between two turns
+# (a GRPO step's working set on a CPU) while the samples of finished episodes age out.
+DEFAULT_PREFIX_CACHE_TOKENS = 16384
+
 
 class HFGenerator(Generator):
     """Batched sampling from a transformers causal LM, on CPU or CUDA (the model's device).
@@ -59,8 +63,11 @@ class HFGenerator(Generator):
         prefix_cache_entries: the most finished samples whose KV cache is kept for prefix reuse
             (0 turns reuse off; it is off anyway for models with sliding-window or stateful
             layers). Results are the same with or without it, up to float rounding.
-        prefix_cache_tokens: optionally, the most tokens kept over all those samples (memory is
-            ``2 * layers * kv_heads * head_dim * element bytes`` per token).
+        prefix_cache_tokens: the most tokens kept over all those samples, or None for no bound but
+            ``prefix_cache_entries``. Memory is ``2 * layers * kv_heads * head_dim * element bytes``
+            per token: the default, ``DEFAULT_PREFIX_CACHE_TOKENS``, is 0.75 GB for the embedded
+            model in float32. The least recently stored go first, so the samples of episodes that
+            ended (nobody extends them) go before those of episodes still playing.
 
     Kept prefixes hold keys and values of the current weights: ``update_weights`` drops them all,
     and samples in flight during an update are not kept (their caches mix two versions). To change
@@ -77,7 +84,7 @@ class HFGenerator(Generator):
         continuous_batching: bool = True,
         step_callback: Callable[[StepInfo], None] | None = None,
         prefix_cache_entries: int = 64,
-        prefix_cache_tokens: int | None = None,
+        prefix_cache_tokens: int | None = DEFAULT_PREFIX_CACHE_TOKENS,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")

@@ -10,9 +10,17 @@ sliding-window and linear-attention layers keep extra state. ``supports_merging`
 caches qualify; the others still batch, but new requests wait for the running batch to end. The
 same layers are the only ones whose rows can be copied out and stacked back for prefix reuse
 (``extract_row``, ``stack_rows``; ``supports_reuse`` tells whether a model's caches qualify).
+
+Across the transformers versions we support (the range in pyproject.toml) this module relies on
+``DynamicCache(config=...)``, ``Cache.batch_select_indices``, ``cache.layers`` and each
+``DynamicLayer``'s ``keys``, ``values``, ``is_initialized`` and ``lazy_initialization``, unchanged
+over that range. What did change is the name under which a model's ``forward`` takes the cache:
+see ``cache_keyword``.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -22,8 +30,37 @@ from transformers.cache_utils import DynamicLayer
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
+# The keyword a model's forward takes its KV cache under: ``cache`` from transformers 5.24 on,
+# ``past_key_values`` before. Newest first.
+_CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The name under which ``model.forward`` takes a KV cache, read from its signature.
+
+    The name matters: transformers before 5.24 takes ``past_key_values`` and silently drops an
+    unknown ``cache=`` into its ``**kwargs`` (the cache then stays empty), while 5.24 takes
+    ``cache`` and still accepts ``past_key_values`` with a deprecation warning.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    for name in _CACHE_KEYWORDS:
+        if name in parameters:
+            return name
+    raise TypeError(
+        f"{type(model).__name__}.forward takes its KV cache under neither of {_CACHE_KEYWORDS}; "
+        "HFGenerator needs a transformers causal LM (AutoModelForCausalLM) whose forward accepts one. "
+        "Pass the plain model, not a wrapper around it, or use a transformers version from the range "
+        "in pyproject.toml."
+    )
+
+
 def new_cache(model: PreTrainedModel) -> DynamicCache:
     return DynamicCache(config=model.config)
+
+
+def is_filled(cache: DynamicCache) -> bool:
+    """Whether a forward wrote keys and values into ``cache`` (a forward that ignored it wrote none)."""
+    return any(layer.is_initialized for layer in cache.layers)
 
 
 def supports_merging(cache: DynamicCache) -> bool:
@@ -104,6 +141,8 @@ def stack_rows(model: PreTrainedModel, rows: list[list[LayerKV]]) -> DynamicCach
     for index, layer in enumerate(cache.layers):
         keys = torch.cat([_left_pad(row[index][0], width - row[index][0].shape[2]) for row in rows])
         values = torch.cat([_left_pad(row[index][1], width - row[index][1].shape[2]) for row in rows])
+        # Not the public cache.update(): it copies them once more, 2.3x the CPU time of this
+        # (docs/benchmarks.md, "The transformers range").
         layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values  # not update(): it would copy them once more
+        layer.keys, layer.values = keys, values
     return cache

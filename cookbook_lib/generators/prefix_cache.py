@@ -6,10 +6,12 @@ finishes, its row of the batch's KV cache already holds keys and values for the 
 sampled token but the last one (that one was never fed to the model). Keeping that row lets the
 next turn prefill only the tokens after it: on a CPU, ~50 tokens instead of ~500.
 
-What is kept is bounded: at most ``max_entries`` sequences (and optionally ``max_tokens`` tokens in
-all), least recently stored dropped first. An entry is taken out when a request reuses it: the
-episode has moved on, and a sequence is nearly always extended once. Entries are valid for one set
-of weights only: ``HFGenerator`` clears them when weights are updated.
+What is kept is bounded: at most ``max_entries`` sequences and ``max_tokens`` tokens in all
+(``HFGenerator`` bounds both by default), least recently stored dropped first. An entry is taken out
+when a request reuses it: the episode has moved on, and a sequence is nearly always extended once.
+The last turn of an episode that ended is never taken; as the episodes still playing store newer
+entries, it is the first to go. Entries are valid for one set of weights only: ``HFGenerator``
+clears them when weights are updated.
 
 Only the worker thread touches a ``PrefixCache``; it takes no locks.
 """

@@ -23,6 +23,7 @@ import difflib
 import enum
 import math
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -43,6 +44,12 @@ LossAggregation = Literal["token_mean", "sequence_mean", "fixed_horizon"]
 ImportanceRatioLevel = Literal["token", "sequence"]
 LossType = Literal["ppo_clip", "cispo"]
 OnEnvError = Literal["end_episode", "raise"]
+GeneratorBackend = Literal["hf", "vllm"]
+StaleGroups = Literal["prevent", "requeue", "drop"]
+# Spelling of GRPOConfig.device and .dtype; cookbook_lib/devices.py says what they mean and checks
+# the machine has them (it imports torch, which this module must not).
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class WeightSyncType(enum.StrEnum):
@@ -113,15 +120,33 @@ class GRPOConfig:
     """Reward of an episode ended by a reply that could not be parsed (``PARSE_FAILURE``)."""
     use_lora: bool = False
     """Train LoRA adapters instead of full weights (on a CPU LoRA measured no faster, so off)."""
+    # --- where and in what precision (see cookbook_lib/devices.py) ----------------------------
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``: where the run's models live."""
+    dtype: DTypeName = "auto"
+    """Precision policy: ``float32``; ``bfloat16`` (bf16 sampling, bf16 autocast training over float32
+    weights); ``float16`` (fp16 sampling, fp32 training); ``auto``: bf16 on a GPU that has it, fp16 on
+    one that has not, float32 on a CPU (where bf16 costs exact importance ratios; see devices.py)."""
     # --- async (max_steps_off_policy=None keeps lockstep) -----------------------------------
     max_steps_off_policy: int | None = None
     """Oldest admissible group, in optimizer steps since its rollout started; None = lockstep."""
     groups_in_flight: int | None = None
     """Groups collected concurrently; None = ``batch_size`` (see ``effective_groups_in_flight``)."""
+    stale_groups: StaleGroups = "prevent"
+    """How async keeps long episodes within ``max_steps_off_policy`` (without it, long groups go stale
+    and training sees mostly short episodes: the length bias, docs/architecture.md). ``prevent``: the
+    trainer takes groups in the order they started, waiting for a slow one, and a group starts only
+    if it will be trained within the bound, so none goes stale. ``requeue``: groups are taken as they
+    finish (oldest-started first); a stale group is dropped and its task restarted first, under new
+    weights. ``drop``: the same, but the task is lost (trains fewest long episodes)."""
     weight_sync_type: WeightSyncType | str = WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
     """How weights reach the generators; the two deferred modes need ``max_steps_off_policy``."""
     num_generator_replicas: int = 1
     """Generator copies serving rollouts; each receives every weight update."""
+    generator_backend: GeneratorBackend = "hf"
+    """Who samples: ``hf`` (transformers, CPU or GPU) or ``vllm`` (an in-process vLLM engine sharing the
+    GPU with training: ``pip install -e ".[vllm]"`` on a CUDA machine; see ``generators/vllm.py``).
+    With ``use_lora`` vLLM receives the merged weights, as the ``hf`` backend does."""
     # --- run directory, checkpoints ----------------------------------------------------------
     run_name: str = field(default_factory=_default_run_name)
     """Name of the run's directory ``runs_dir/run_name``; default: a timestamp and a random suffix."""
@@ -129,13 +154,18 @@ class GRPOConfig:
     """Parent directory of all runs (stored as a string so the YAML stays plain)."""
     checkpoint_interval: int = 10
     """Save a checkpoint every this many steps, and at the end; 0 = only at the end."""
+    keep_last_checkpoints: int = 2
+    """Checkpoints kept on disk, newest first; older ones are deleted once a newer one is complete.
+    Each holds the weights and AdamW's two moments (three times the float32 weights: ~1.6 GB for
+    the embedded 135M model). 1 keeps the least; a resume needs only the newest."""
     resume: bool | Literal["auto"] = "auto"
     """True: continue from the run's last checkpoint (fail if none); False: start afresh;
     "auto": resume when ``run_dir`` holds a checkpoint (a rerun of a killed run continues)."""
     seed: int = 0
     """Seeds task order, sampling and initialisation, so a run can be repeated."""
     on_env_error: OnEnvError = "end_episode"
-    """An exception in the env ends that episode (``ERROR``, kept for inspection) or stops the run."""
+    """An exception in the env (or inside the library's ModelPolicy) ends that episode (``ERROR``, kept
+    for inspection) or stops the run."""
     # --- sampling ----------------------------------------------------------------------------
     max_tokens_per_turn: int = 128
     """Sampling budget of one assistant turn (a tool call or an answer needs far fewer)."""
@@ -169,6 +199,11 @@ class GRPOConfig:
     """AdamW weight decay."""
     micro_batch_tokens: int = 2048
     """Token budget of one packed micro-batch; at least ``max_model_length`` so any episode fits."""
+    activation_checkpointing: bool = True
+    """Keep only each decoder layer's input for the backward pass and recompute the rest (also
+    called gradient checkpointing): the trainer's activations shrink ~20x (embedded model: 1.4 MB
+    to 72 KB per token of a micro-batch) for one more forward pass per step (~20-30 % of training
+    time). False trades that memory back for speed."""
     # --- soft overlong penalty (DAPO) --------------------------------------------------------
     overlong_buffer_tokens: int = 256
     """Length of the linear ramp before the limit: the penalty grows from 0 to the factor over it."""
@@ -273,6 +308,9 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "on_env_error": get_args(OnEnvError),
     "weight_sync_type": tuple(WeightSyncType),
     "resume": (True, False, "auto"),
+    "generator_backend": get_args(GeneratorBackend),
+    "stale_groups": get_args(StaleGroups),
+    "dtype": get_args(DTypeName),
 }
 # field -> (lowest value, whether the lowest value itself is excluded, what to know to fix it)
 _BOUNDS: dict[str, tuple[float, bool, str]] = {
@@ -288,6 +326,7 @@ _BOUNDS: dict[str, tuple[float, bool, str]] = {
     "groups_in_flight": (1, False, "None = batch_size"),
     "num_generator_replicas": (1, False, ""),
     "checkpoint_interval": (0, False, "0 = checkpoint only at the end"),
+    "keep_last_checkpoints": (1, False, "a resume needs the newest checkpoint"),
     "max_tokens_per_turn": (1, False, ""),
     "temperature": (0, True, "greedy episodes of a group are identical, so every advantage is 0; use 1.0"),
     "top_p": (0, True, ""),
@@ -321,6 +360,8 @@ def _type_problems(c: GRPOConfig) -> list[str]:
     for name in ("model", "run_name", "runs_dir"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             out.append(f"{name} must be a non-empty string, got {getattr(c, name)!r}")
+    if not (isinstance(c.device, str) and DEVICE_PATTERN.match(c.device)):
+        out.append(f"device={c.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N' (N a GPU index)")
     if not (c.wandb_project is None or isinstance(c.wandb_project, str)):
         out.append(f"wandb_project must be a string or None, got {c.wandb_project!r}")
     return out
@@ -369,6 +410,34 @@ def _range_problems(c: GRPOConfig) -> list[str]:
         out.append(
             "WEIGHT_SYNC_TYPE_PIPELINE needs full-weight training: set use_lora=False or use "
             "WEIGHT_SYNC_TYPE_SYNCHRONOUS/BACKGROUND_PUBLISH"
+        )
+    if c.generator_backend == "vllm":
+        out += _vllm_problems(c)
+    return out
+
+
+def _vllm_problems(c: GRPOConfig) -> list[str]:
+    """What the in-process vLLM engine cannot do. Whether vllm and a GPU are there is checked before
+    any model loads by ``cookbook_lib.generators.vllm.check_vllm_available``: it needs imports this
+    module avoids. (WEIGHT_SYNC_TYPE_PIPELINE is no problem: vLLM can pause running requests, take
+    new weights and resume them; that check makes sure the installed vLLM has that API.)"""
+    out = []
+    if c.num_generator_replicas != 1:
+        out.append(
+            f"generator_backend='vllm' with num_generator_replicas={c.num_generator_replicas}: the vLLM "
+            "engine runs inside this process (one per process) and batches every episode itself; set "
+            "num_generator_replicas=1"
+        )
+    if c.device == "cpu":
+        out.append(
+            "generator_backend='vllm' samples on a CUDA GPU, but device='cpu': set device='auto' or "
+            "'cuda' on a GPU machine, or use generator_backend='hf'"
+        )
+    elif c.device.startswith("cuda:") and c.device != "cuda:0":
+        out.append(
+            f"generator_backend='vllm' runs its engine on the first visible GPU, but device={c.device!r}: "
+            f"start Python with CUDA_VISIBLE_DEVICES={c.device.removeprefix('cuda:')} and set "
+            "device='cuda', or use generator_backend='hf'"
         )
     return out
 

@@ -19,11 +19,13 @@ from cookbook_lib.episode import Episode
 from cookbook_lib.generators import SamplingParams
 from cookbook_lib.grpo.advantages import group_has_signal
 from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.length_mix import add_dropped_groups, trained_length_metrics
 from cookbook_lib.grpo.replicas import GeneratorReplicas
-from cookbook_lib.grpo.samples import build_samples
+from cookbook_lib.grpo.samples import TrainingSample, build_samples
 from cookbook_lib.grpo.trainer import LossSettings, PolicyTrainer
 from cookbook_lib.metrics import episode_stats
 from cookbook_lib.model_policy import ModelPolicy
+from cookbook_lib.progress import LiveProgress, tokens_status
 from cookbook_lib.rollout import EnvFactory, run_group
 from cookbook_lib.timeline import TRAINER_LANE, TRAINING, WAITING, WEIGHT_SYNC, Timeline
 
@@ -85,33 +87,39 @@ async def collect_groups(
     env_factory: Callable[[int], EnvFactory],
     policy_factory: Callable[[int], Callable[[], ModelPolicy]],
     step: int,
+    status: Callable[[], str] | None = None,
 ) -> tuple[list[list[Episode]], int]:
     """Groups for one step: ``batch_size`` tasks, then up to ``max_sampling_attempts - 1`` more
     rounds for the groups that came back without signal (all rewards equal).
 
     ``env_factory(i)`` and ``policy_factory(i)`` give the factories of the round's ``i``-th group
     (with several generator replicas, groups are spread over them). Returns every group sampled (zero-variance
-    ones included, so the skip ratio counts them) and the number of rounds used.
+    ones included, so the skip ratio counts them) and the number of rounds used. A progress bar
+    counts each round's episodes as they finish, with ``status()`` (the tokens sampled) beside it.
     """
     groups: list[list[Episode]] = []
     wanted = config.batch_size
     attempt = 0
     while wanted > 0 and attempt < config.max_sampling_attempts:
         round_tasks = tasks_for_step(tasks, config, step, attempt, wanted)
-        round_groups = await asyncio.gather(
-            *(
-                run_group(
-                    env_factory(index),
-                    task,
-                    policy_factory(index),
-                    config.episodes_per_task,
-                    max_turns=config.max_turns,
-                    on_env_error=config.on_env_error,
-                    failed_parse_reward=config.failed_parse_reward,
+        desc = f"step {step} sampling" + (f" (round {attempt + 1})" if attempt else "")
+        episodes = len(round_tasks) * config.episodes_per_task
+        async with LiveProgress(desc, episodes, unit="episode", status=status) as live:
+            round_groups = await asyncio.gather(
+                *(
+                    run_group(
+                        env_factory(index),
+                        task,
+                        policy_factory(index),
+                        config.episodes_per_task,
+                        max_turns=config.max_turns,
+                        on_env_error=config.on_env_error,
+                        failed_parse_reward=config.failed_parse_reward,
+                        on_episode=lambda _: live.done(),
+                    )
+                    for index, task in enumerate(round_tasks)
                 )
-                for index, task in enumerate(round_tasks)
             )
-        )
         groups += round_groups
         wanted -= sum(has_signal(group, config) for group in round_groups)
         attempt += 1
@@ -136,14 +144,16 @@ def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], tra
     episodes = [episode for group in groups for episode in group]
     # Episode stats last: reward_mean over every episode, as validation's val/reward_mean is.
     metrics: dict[str, float] = {**batch.stats.metrics(), **episode_stats(episodes)}
+    keep: set[int] = set()
+    samples: list[TrainingSample] = []
     if batch.samples:
         # Train only on a full batch's worth of signal: at most batch_size trained groups.
         keep = set(batch.trained_group_indices[: config.batch_size])
         samples = [sample for sample in batch.samples if sample.group_index in keep]
         metrics |= {f"train/{k}": v for k, v in trainer.grpo_step(samples, loss_settings(config)).items()}
-        metrics["trained_groups"] = float(len(keep))
-    else:
-        metrics["trained_groups"] = 0.0
+    metrics["trained_groups"] = float(len(keep))
+    # The length mix of what trained (lockstep's is the reference an async run is compared with).
+    metrics |= trained_length_metrics(groups, samples, keep, config.max_turns)
     return metrics
 
 
@@ -173,10 +183,14 @@ async def lockstep_step(
             index % replicas.size, codec, sampling, config.max_model_length
         ),
         step,
+        status=tokens_status(replicas.generators),
     )
     sampled_at = time.perf_counter()
+    # A colocated vLLM engine frees its GPU memory for the optimizer step; publish wakes it.
+    await replicas.sleep()
     metrics = train_on_groups(config, groups, trainer)
     metrics["sampling_attempts"] = float(attempts)
+    add_dropped_groups(metrics, [], config.max_turns)  # lockstep drops nothing: zeros, for comparison
     trained_at = time.perf_counter()
     if stepped(metrics):
         await replicas.publish(trainer.export_weights(), replicas.version + 1)

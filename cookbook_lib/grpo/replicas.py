@@ -98,6 +98,14 @@ class GeneratorReplicas:
             self._pending[i] = (weights, version)  # replaces one that has not started
             self._wake[i].set()
 
+    async def sleep(self) -> None:
+        """Let every replica free the GPU memory it holds for the optimizer step (``Generator.sleep``).
+
+        Lockstep only: nothing samples while the trainer steps. The next publication (or sample)
+        wakes them. Async runs never call it: their replicas sample while the trainer steps.
+        """
+        await asyncio.gather(*(g.sleep() for g in self.generators))
+
     async def load_everywhere(self, weights: Weights, version: int) -> None:
         """Load ``weights`` on every replica now, whatever the mode (a resumed run's start)."""
         self.version = version

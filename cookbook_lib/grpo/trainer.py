@@ -7,6 +7,10 @@ step, leaving the weights untouched, and says so in the step's metrics.
 
 Log-probs are computed from ``logits / temperature``: the generator reports the sampled tokens'
 log-probs under the same tempered distribution, so the importance ratio starts at 1.
+
+Precision (``cookbook_lib.devices``): the weights and AdamW's state stay float32; with a bf16
+policy the forward and backward run under autocast, and the logits are upcast to float32 before
+any log-softmax, so the loss itself is always computed in float32.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from cookbook_lib.devices import Precision, autocast
 from cookbook_lib.episode import EndCause, TokenSequence
 from cookbook_lib.grpo.losses import compute_loss, entropy_from_logits, masked_sum, token_logprobs
 from cookbook_lib.grpo.samples import TrainingSample, collate, pack_micro_batches
+from cookbook_lib.memory import large_blocks_mapped, release_memory
+from cookbook_lib.progress import progress_bar
+from cookbook_lib.quiet import quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +49,27 @@ class LossSettings:
     horizon: int = 2048  # the fixed horizon of Dr. GRPO's aggregation
 
 
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them.
+
+    Only each layer's input stays alive between the forward and the backward pass: on the
+    embedded model 72 KB per token instead of 1.4 MB, for one more forward pass per step. It acts
+    in training mode only, so a generator sampling from the same model (eval mode) is unaffected.
+    Non-reentrant checkpointing needs no input that requires grad, so it works under LoRA too.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} does not support activation checkpointing; "
+            "set activation_checkpointing=False in the GRPOConfig"
+        )
+    settings = {"use_reentrant": False}
+    with quiet_libraries():
+        if hasattr(model, "activation_checkpointing_enable"):  # its newer name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+
+
 class PolicyTrainer:
     """Holds the trained model (full weights or LoRA), its optimizer and the reference model."""
 
@@ -58,14 +87,19 @@ class PolicyTrainer:
         lora_rank: int = 16,
         lora_alpha: float = 32.0,
         reference_model: PreTrainedModel | None = None,
+        precision: Precision | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)  # on the base model, before LoRA wraps it
         if use_lora:
             from peft import LoraConfig, get_peft_model
 
             lora = LoraConfig(
                 r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear", lora_dropout=0.0
             )
-            model = get_peft_model(model, lora)
+            with quiet_libraries():  # transformers' FutureWarnings about its own internals
+                model = get_peft_model(model, lora)
         self.model = model
         self.use_lora = use_lora
         self.pad_token_id = pad_token_id
@@ -76,6 +110,13 @@ class PolicyTrainer:
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=weight_decay)
         self.device = next(model.parameters()).device
+        # Default: float32 on the model's device, i.e. no autocast.
+        self.precision = precision or Precision(self.device, torch.float32, torch.float32)
+        if self.precision.device != self.device:
+            raise ValueError(
+                f"the model is on {self.device} but the precision policy says {self.precision.device}; "
+                "load the model on the configured device"
+            )
 
     # --- forward ---------------------------------------------------------------------------------
     def _trained_logits(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -86,11 +127,15 @@ class PolicyTrainer:
         trained positions saves most of its memory and time.
         """
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        hidden_BTH = causal_lm.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-        ).last_hidden_state
+        with autocast(self.precision):
+            hidden_BTH = causal_lm.base_model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            ).last_hidden_state
         hidden_NH = hidden_BTH[batch["loss_mask"]]
-        return causal_lm.get_output_embeddings()(hidden_NH).float() / self.temperature
+        # The head runs in float32 outside autocast, as the generator's does (devices.Float32Head):
+        # bf16 logits would put the two log-probs of a token tenths apart. The loss is then fp32.
+        head = causal_lm.get_output_embeddings()
+        return head(hidden_NH.to(head.weight.dtype)).float() / self.temperature
 
     def _token_logprobs(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs ``[B, T]`` (0 off the mask) and the trained positions' logits."""
@@ -131,7 +176,8 @@ class PolicyTrainer:
             )
             return loss, metrics
 
-        return self._step(list(samples), micro_loss)
+        with large_blocks_mapped():  # freed activations go back to the system at once
+            return self._step(list(samples), micro_loss, progress="training")
 
     def sft_step(self, sequences: Sequence[TokenSequence]) -> dict[str, float]:
         """One optimizer step of cross-entropy on the assistant tokens of ``sequences``."""
@@ -155,21 +201,27 @@ class PolicyTrainer:
             loss = -masked_sum(logprobs_BT, batch["loss_mask"]) / num_tokens
             return loss, {"sft_loss": loss.item()}
 
-        return self._step(samples, micro_loss)
+        with large_blocks_mapped():  # freed activations go back to the system at once
+            return self._step(samples, micro_loss)
 
     def _step(
         self,
         samples: list[TrainingSample],
         micro_loss: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+        progress: str | None = None,
     ) -> dict[str, float]:
+        """One optimizer step; ``progress`` names a bar over its micro-batches (None: no bar)."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
+        release_memory()  # what sampling freed (KV caches, on the generator's thread) goes back first
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         entropy_weighted, trained_tokens = 0.0, 0
         finite = True
-        for micro_batch in pack_micro_batches(samples, self.micro_batch_tokens):
+        micro_batches = pack_micro_batches(samples, self.micro_batch_tokens)
+        shown = progress_bar(progress or "", iterable=micro_batches, unit="micro-batch", show=bool(progress))
+        for micro_batch in shown:
             batch = self._to_device(collate(micro_batch, self.pad_token_id))
             logprobs_BT, logits_NV = self._token_logprobs(self.model, batch)
             loss, metrics = micro_loss(batch, logprobs_BT)
@@ -189,6 +241,8 @@ class PolicyTrainer:
                 * n
             )
             trained_tokens += n
+            # Not kept alive while the next micro-batch computes its own.
+            del batch, logprobs_BT, logits_NV, loss
         grad_norm = self._clip_gradients() if finite else math.nan
         skipped = not finite or not math.isfinite(grad_norm)
         if skipped:
@@ -199,6 +253,7 @@ class PolicyTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
+        release_memory()  # the step's activations and gradients, before sampling allocates again
         result = {
             key: (value if key.endswith("loss") else value / max(trained_tokens, 1))
             for key, value in totals.items()

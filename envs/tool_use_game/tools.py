@@ -13,6 +13,7 @@ import json
 from typing import Any, ClassVar
 
 from cookbook_lib.envs import ToolArgumentError, ToolResult
+from cookbook_lib.envs.tools import shorten
 from envs.tool_use_game.facts import FactBook
 
 
@@ -74,4 +75,4 @@ class LookupTool:
     def _unknown_key_message(self, key: str) -> str:
         close = difflib.get_close_matches(key, self._book.all_keys(), n=3, cutoff=0.5)
         hint = f" Close keys: {', '.join(close)}." if close else ""
-        return f"unknown fact key {key!r}.{hint} Call list_fact_keys to see every key."
+        return f"unknown fact key {shorten(repr(key))}.{hint} Call list_fact_keys to see every key."

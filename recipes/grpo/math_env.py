@@ -13,6 +13,7 @@ from cookbook_lib.grpo.train import TrainResult, train_multi_turn
 from cookbook_lib.sft import expert_warm_start
 from envs.experts import math_expert
 from envs.math_env import MathEnv, load_math_tasks
+from recipes.device_flags import add_device_flags, device_overrides
 
 
 def math_config(**overrides) -> GRPOConfig:
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None) -> TrainResult:
     parser.add_argument("--run-name", default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--small", action="store_true", help="a tiny run, to check the recipe works")
+    add_device_flags(parser)
     args = parser.parse_args(argv)
-    config = math_config()
+    config = math_config(**device_overrides(args))
     if args.small:
         config = dataclasses.replace(
             config, batch_size=1, episodes_per_task=2, num_steps=1, max_tokens_per_turn=16, max_turns=2

@@ -16,6 +16,7 @@ from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.train import TrainResult, train_single_turn
 from cookbook_lib.scoring import numbers_match
 from envs.math_env import load_math_tasks
+from recipes.device_flags import add_device_flags, device_overrides
 
 SYSTEM_PROMPT = "Reply with only the final number."
 
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
     parser.add_argument("--run-name", default=None)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--small", action="store_true", help="a tiny run, to check the recipe works")
+    add_device_flags(parser)
     args = parser.parse_args(argv)
     config = GRPOConfig(
         batch_size=4,
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
         micro_batch_tokens=2048,
         learning_rate=2e-5,
         max_sampling_attempts=2,
+        **device_overrides(args),
     )
     if args.small:
         config = dataclasses.replace(config, batch_size=1, episodes_per_task=2, num_steps=1)

@@ -12,11 +12,14 @@ recipe's (the two share one ``main``), plus ``--weight-sync``:
 The async settings, and why these values here:
 
 - ``max_steps_off_policy=1``: a group may have started its rollout at most one optimizer step
-  before the trainer takes it; older ones are dropped as stale. 0 would drop most groups, because
-  a group usually finishes while the trainer is on the next version; 1 is the seed's advice.
+  before the trainer takes it; older ones are never trained. With 0 no group could play while the
+  trainer steps (lockstep again, with more bookkeeping); 1 is the seed's advice.
 - ``groups_in_flight=2 * batch_size``: the trainer needs ``batch_size`` groups per step; twice as
   many in flight keeps the next step's groups playing while the trainer steps, without piling up
   groups that would be one version too old by the time the trainer gets to them.
+- ``stale_groups="prevent"`` (the default): groups are trained in the order they started and a
+  group starts only when it will be trained within the bound, so none is dropped as stale and
+  the long episodes (the game's multi-call tasks) are trained as often as in lockstep.
 - ``num_generator_replicas=1``: a replica is a full copy of the model serving rollouts. On a CPU
   every copy competes for the same 2 cores, so a second one halves each one's speed, doubles the
   memory and the weight updates, and gains nothing. On GPUs use one replica per device.
@@ -51,6 +54,7 @@ def async_demo_config(**overrides) -> GRPOConfig:
     async_settings = dict(
         max_steps_off_policy=1,
         groups_in_flight=2 * config.batch_size,
+        stale_groups="prevent",
         num_generator_replicas=1,
         weight_sync_type=WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS,
     )

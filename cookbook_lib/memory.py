@@ -1,0 +1,104 @@
+"""Handing memory that a run has freed back to the operating system, between the phases of a run.
+
+glibc's ``malloc`` keeps what a program frees for its next allocations rather than returning it to
+the system, in one arena per thread that allocates (up to eight per core). A GRPO run allocates
+from three kinds of threads: the event loop, each generator's worker (KV caches) and the trainer's
+thread (activations, gradients). A training step frees gigabytes of activations, a finished batch
+its KV cache; much of it would stay resident in the arena of the thread that freed it, where the
+other threads cannot use it, and the process's resident size would be the sum of every thread's
+own peak rather than the peak of what is live. :func:`release_memory` returns the free pages of
+every arena (``malloc_trim``) after each step, validation and checkpoint.
+
+Within a training step, trimming is too late: glibc serves blocks of up to 32 MB (after its
+first few frees) from the arenas, and the backward pass's mix of freed activations and new
+gradients leaves holes that the next allocations do not fit, so a step's resident peak was ~4x
+its live memory (measured with the embedded model and activation checkpointing: 1.1 GB more than
+the weights and AdamW state, against 0.2 GB live). :func:`large_blocks_mapped` gives every block
+of 256 KB or more its own mapping for the duration of a step, returned to the system the moment
+it is freed; that cost no measurable time per step, and removed those 0.9 GB.
+
+Elsewhere (macOS, musl) there is no ``malloc_trim`` or ``mallopt``: :func:`release_memory` only
+collects Python's garbage and :func:`large_blocks_mapped` does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import gc
+import threading
+from collections.abc import Iterator
+
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
+_STEP_MMAP_THRESHOLD = 256 * 1024
+# glibc's own ceiling for its sliding threshold (64-bit): outside steps, blocks up to 32 MB (a
+# generator's KV cache layers, copied at every decode step) are reused from the arenas, as before.
+_DEFAULT_MMAP_THRESHOLD = 32 * 1024 * 1024
+_steps_lock = threading.Lock()
+_steps_running = 0
+
+
+@functools.cache
+def _libc_function(name: str, argtypes: tuple, restype):
+    """A function of glibc's malloc, or None where the C library has none (macOS, musl)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = getattr(libc, name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = list(argtypes)
+    function.restype = restype
+    return function
+
+
+def _malloc_trim():
+    return _libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+
+
+def _mallopt():
+    return _libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+
+
+def can_release_memory() -> bool:
+    """Whether :func:`release_memory` can hand memory back to the system here (glibc)."""
+    return _malloc_trim() is not None
+
+
+def release_memory() -> None:
+    """Collect garbage, then return every arena's free pages to the system (glibc only).
+
+    Cheap next to a training step (tens of milliseconds for gigabytes); call it between phases,
+    when the memory a phase used is free, not inside a hot loop.
+    """
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@contextlib.contextmanager
+def large_blocks_mapped() -> Iterator[None]:
+    """Within the block, allocations of 256 KB or more get their own mapping (glibc only).
+
+    Such a block goes back to the system the moment it is freed, so a training step's resident
+    size follows its live memory. Steps on several threads may overlap: the threshold goes back
+    when the last one ends.
+    """
+    global _steps_running
+    mallopt = _mallopt()
+    if mallopt is None:
+        yield
+        return
+    with _steps_lock:
+        _steps_running += 1
+        if _steps_running == 1:
+            mallopt(_M_MMAP_THRESHOLD, _STEP_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        with _steps_lock:
+            _steps_running -= 1
+            if _steps_running == 0:
+                mallopt(_M_MMAP_THRESHOLD, _DEFAULT_MMAP_THRESHOLD)
