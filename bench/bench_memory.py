@@ -83,6 +83,7 @@ class MemoryProbe:
         self._peaks: dict[str, int] = {}
         self._seconds: dict[str, float] = {}
         self._maxima: dict[str, int] = {}  # sizes noted by the hooks (tokens held in KV caches)
+        self._totals: dict[str, int] = {}  # counts added up by the hooks (prompt tokens reused)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started = time.perf_counter()
@@ -121,6 +122,10 @@ class MemoryProbe:
         with self._lock:
             self._maxima[name] = max(self._maxima.get(name, 0), value)
 
+    def note_add(self, name: str, value: int) -> None:
+        with self._lock:
+            self._totals[name] = self._totals.get(name, 0) + value
+
     def _record(self, rss: int, seconds: float = 0.0) -> None:
         with self._lock:
             current = [name for name, count in self._active.items() if count > 0] or ["other"]
@@ -139,8 +144,10 @@ class MemoryProbe:
     def summary(self) -> dict[str, Any]:
         with self._lock:
             peaks, seconds, maxima = dict(self._peaks), dict(self._seconds), dict(self._maxima)
+            totals = dict(self._totals)
         return {
             "max_tokens": maxima,
+            "prompt_tokens": totals,
             "peak_gib": {name: peaks[name] / GIB for name in PHASES if name in peaks},
             "seconds": {name: round(seconds.get(name, 0.0), 1) for name in PHASES if name in peaks},
             "vmhwm_gib": _status_bytes("VmHWM") / GIB,
@@ -185,11 +192,13 @@ def install_phase_hooks(probe: MemoryProbe) -> None:
 
 
 def install_size_hooks(probe: MemoryProbe) -> None:
-    """Note the most tokens held by the generators' running batch and their prefix caches."""
+    """Note the most tokens held by the generators' running batch and their prefix caches, and
+    how many prompt tokens the generators fed and reused (whether a bound costs prefix reuse)."""
     from cookbook_lib.generators.batch import DecodeBatch
+    from cookbook_lib.generators.hf import HFGenerator
     from cookbook_lib.generators.prefix_cache import PrefixCache
 
-    put, step = PrefixCache.put, DecodeBatch.step
+    put, step, close = PrefixCache.put, DecodeBatch.step, HFGenerator.close
 
     def noted_put(self, prefix):
         put(self, prefix)
@@ -199,7 +208,12 @@ def install_size_hooks(probe: MemoryProbe) -> None:
         probe.note_max("decode_batch", len(self) * self.columns)  # rows x columns of its KV cache
         return step(self, version)
 
-    PrefixCache.put, DecodeBatch.step = noted_put, noted_step
+    async def noted_close(self):
+        await close(self)
+        probe.note_add("fed", self.stats.prefill_tokens)
+        probe.note_add("reused", self.stats.reused_tokens)
+
+    PrefixCache.put, DecodeBatch.step, HFGenerator.close = noted_put, noted_step, noted_close
 
 
 def start_in_process(result_path: str, interval_s: float = 0.05) -> MemoryProbe:
@@ -367,6 +381,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
         if result.get("max_tokens"):
             sizes = ", ".join(f"{name} {tokens}" for name, tokens in result["max_tokens"].items())
             print(f"{result['arm']}: most tokens held in KV caches: {sizes}")
+        prompt = result.get("prompt_tokens") or {}
+        if prompt.get("fed") or prompt.get("reused"):
+            share = prompt.get("reused", 0) / (prompt.get("fed", 0) + prompt.get("reused", 0))
+            print(f"{result['arm']}: prompt tokens reused from the prefix cache: {share:.0%}")
         if result.get("validation"):
             rewards = ", ".join(f"step {s}: {v:.3f}" for s, v in result["validation"])
             print(f"{result['arm']}: validation reward {rewards}")

@@ -244,6 +244,37 @@ def test_prevent_trains_lockstep_tasks_in_lockstep_order_and_drops_nothing(tiny_
     assert log.created == log.closed
 
 
+class FlatRewardEnv(SlowEnv):
+    """Every episode scores 0: no group has signal, so no step changes the weights."""
+
+    async def step(self, message: Message) -> StepResult:
+        return dataclasses.replace(await super().step(message), reward=0.0)
+
+
+def test_prevent_keeps_collecting_through_steps_that_train_nothing(tiny_model_dir, tmp_path):
+    # With a bound of 0 a step that trained nothing leaves the trainer on the same version, and
+    # the next step must let workers start again (it once waited forever for a group).
+    log = EnvLog()
+    config = async_config(
+        tiny_model_dir, tmp_path, max_steps_off_policy=0, batch_size=1, groups_in_flight=2, num_steps=3
+    )
+    finished: list[object] = []
+
+    def train() -> None:
+        finished.append(
+            train_multi_turn(config, tasks=TASKS, env_factory=env_factory_for(log, FlatRewardEnv))
+        )
+
+    runner = threading.Thread(target=train, daemon=True)
+    runner.start()
+    runner.join(timeout=600)
+    assert finished, "the run did not finish: the workers never started the next step's group"
+    metrics = finished[0].metrics[1:]
+    assert [m["trained_groups"] for m in metrics] == [0, 0, 0]
+    assert all(m["policy_version"] == 0 for m in metrics)
+    assert log.created == log.closed
+
+
 def test_a_requeued_task_is_replayed_before_any_new_one(tiny_model_and_tokenizer, tmp_path):
     model, tokenizer = tiny_model_and_tokenizer
     config = async_config("unused", tmp_path, stale_groups="requeue", groups_in_flight=1, max_turns=1)

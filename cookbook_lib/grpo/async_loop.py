@@ -159,13 +159,15 @@ class RolloutCollector:
                 for i in range(self.config.effective_groups_in_flight)
             ]
 
-    def expect(self, groups: int) -> None:
+    async def expect(self, groups: int) -> None:
         """The trainer's current step will take at least ``groups`` more groups (0: it is training).
 
         ``prevent`` needs it: a group started now is trained in this step if fewer groups are
-        ahead of it, and otherwise in a later one (each takes at least ``batch_size``).
+        ahead of it, and otherwise in a later one (each takes at least ``batch_size``). More
+        expected may let a worker start, so the workers re-check.
         """
         self._step_needs = groups
+        await self.replicas.notify()
 
     async def take(self) -> CollectedGroup:
         """The finished group that started first (waiting for one); raises what a worker's group raised.
@@ -371,7 +373,7 @@ class AsyncGRPO:
         with_signal, wait_s = 0, 0.0
         # As in lockstep, at most batch_size * max_sampling_attempts groups for one step.
         most = config.batch_size * config.max_sampling_attempts
-        collector.expect(config.batch_size)
+        await collector.expect(config.batch_size)
         tokens = tokens_status(self.replicas.generators)
 
         def status() -> str:
@@ -395,7 +397,7 @@ class AsyncGRPO:
                 signal = has_signal(group.episodes, config)
                 with_signal += signal
                 live.done(int(signal))
-                collector.expect(min(config.batch_size - with_signal, most - len(taken)))
+                await collector.expect(min(config.batch_size - with_signal, most - len(taken)))
         ages = [collector.trainer_version - group.start_version for group in taken]
         sampled_at = time.perf_counter()
         # On a worker thread: the event loop keeps stepping environments and feeding the generators.
