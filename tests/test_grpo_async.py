@@ -382,6 +382,9 @@ def test_pipeline_records_mixed_versions_within_one_sample(tiny_model_dir, tmp_p
         num_steps=8,
         max_tokens_per_turn=48,
         max_turns=2,
+        # "drop" starts every group at once, so samples are in flight whenever weights publish;
+        # "prevent" holds starts back by the bound and made a spanning sample a matter of timing.
+        stale_groups="drop",
     )
     result = train_multi_turn(config, tasks=TASKS, env_factory=env_factory_for(log, mean_delay_s=0.005))
     mixed = [
