@@ -160,11 +160,13 @@ def test_peft_lora_round_trip_restores_adapter_weights(tmp_path):
     from safetensors.torch import load_file
 
     from cookbook_lib.models import tiny_random_model
+    from cookbook_lib.quiet import quiet_libraries
 
     def lora_model(seed: int):
         base, _ = tiny_random_model(seed=1, num_layers=1, hidden_size=32)
         torch.manual_seed(seed)  # different LoRA A init per seed
-        return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        with quiet_libraries():  # peft reads a deprecated transformers property (FutureWarning)
+            return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
 
     model = lora_model(0)
     with torch.no_grad():  # LoRA B starts at zero; make every adapter weight distinctive

@@ -145,6 +145,7 @@ CONTRADICTIONS = [
     ({"importance_ratio_level": "episode"}, "'token', 'sequence'"),
     ({"loss_type": "ppo"}, "'ppo_clip', 'cispo'"),
     ({"on_env_error": "ignore"}, "'end_episode', 'raise'"),
+    ({"stale_groups": "skip"}, "'prevent', 'requeue', 'drop'"),
     ({"weight_sync_type": "PIPELINE"}, "'WEIGHT_SYNC_TYPE_PIPELINE'"),
     ({"resume": "yes"}, "True, False, 'auto'"),
     ({"validation_interval": -1}, "validation_interval must be >= 0"),
