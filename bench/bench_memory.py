@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+KEEP_RUNS_ENV = "BENCH_MEMORY_KEEP_RUNS"  # "1": keep each arm's run folder (--keep-runs sets it)
 PHASES = ("load", "warm-start", "sampling", "training", "validation", "checkpoint", "other")
 # (module, attribute, phase): the functions whose calls mark a phase. A missing one fails the bench
 # at once (the library moved something): update this table rather than measure without a phase.
@@ -284,7 +285,10 @@ def run_arm_here(arm: Arm, recipe_argv: list[str], result_path: Path) -> None:
         result_path.write_text(json.dumps(summary, indent=2))
     finally:
         os.chdir(ROOT)
-        shutil.rmtree(runs_dir, ignore_errors=True)
+        if os.environ.get(KEEP_RUNS_ENV) == "1":  # e.g. to draw docs/images from this run
+            print(f"{arm.name}: run kept in {runs_dir / 'runs' / arm.name}", flush=True)
+        else:
+            shutil.rmtree(runs_dir, ignore_errors=True)
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -400,10 +404,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--notebook", type=Path, help="run this notebook in full mode instead of the demo")
     parser.add_argument("--timeout", type=int, default=4 * 3600, help="per notebook cell, seconds")
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
+    parser.add_argument("--keep-runs", action="store_true", help="keep each arm's run folder; prints where")
     parser.add_argument("--child", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args, recipe_argv = parser.parse_known_args(argv)
     recipe_argv = [a for a in recipe_argv if a != "--"]
+    if args.keep_runs:
+        os.environ[KEEP_RUNS_ENV] = "1"  # read by each arm's child process
     if args.child:
         run_arm_here(ARMS[args.child], recipe_argv, args.result)
         return []

@@ -51,7 +51,8 @@ they arrive. In order:
 3. the same run in lockstep, from the same warm-started model;
 4. the measured timelines of both runs, one above the other, a table of where their time went,
    and the length mix each run trained on;
-5. the three weight-sync modes, a few steps each.
+5. the three weight-sync modes, a few steps each;
+6. the same async run with its generator replicas as Ray actors, by one setting.
 
 `recipes/grpo/tool_use_game_async.py` holds the config used here; from a terminal,
 `python -m recipes.grpo.tool_use_game_async` runs it.
@@ -76,7 +77,7 @@ from cookbook_lib.grpo.train import TIMELINE_FILE, WARM_START_DIR, train_multi_t
 from cookbook_lib.length_mix_plots import length_mix_figure
 from cookbook_lib.memory import release_memory
 from cookbook_lib.sft import expert_warm_start
-from cookbook_lib.timeline import WEIGHT_SYNC, Timeline, replica_lane
+from cookbook_lib.timeline import SAMPLING, WEIGHT_SYNC, Timeline, replica_lane
 from cookbook_lib.timeline_plots import idle_summary, timeline_figure
 from cookbook_lib.training_plots import ASYNC_PANELS, LiveTrainingPlots, metrics_table_figure
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
@@ -626,6 +627,56 @@ time, the deferred modes matter more than here, where the "transfer" is a memory
 """)
 
 md(r"""
+## 7. Generator replicas on Ray
+
+`num_generator_replicas` alone makes in-process copies of the model, which share this process's
+cores (or its one GPU). One more setting, `generator_placement="ray"`, runs each replica as a
+[Ray](https://www.ray.io/) actor with its own model copy instead: on a GPU machine one GPU per
+replica, on a CPU `ray_cpus_per_replica` cores each. Nothing else changes: the same weight-sync
+modes, per-token policy versions, stale drops and timeline, with one lane per replica. Weights
+travel through Ray's object store: one `ray.put` of the state dict (in CPU memory) per
+publication, from which every actor loads its copy (on a GPU, then a host-to-device copy).
+
+The run below starts a local Ray for itself and stops it at the end (`ray_address`, or the
+`RAY_ADDRESS` environment variable, joins an existing cluster instead). Ray is an optional extra,
+`pip install -e ".[ray]"`; without it the cell says so and skips. On this 2-core machine two
+actors can only compete for the same two cores, so expect no speed-up here: the point is the lanes.
+""")
+
+code(r"""
+try:
+    import ray  # noqa: F401
+except ImportError:
+    ray = None
+    print('Ray is not installed, so this section is skipped: pip install -e ".[ray]"')
+
+if ray is not None:
+    ray_runs_dir = tempfile.mkdtemp(prefix="cookbook-04-ray-")
+    try:
+        ray_config = dataclasses.replace(
+            config,
+            model=str(warm_model),
+            num_generator_replicas=2,
+            generator_placement="ray",  # the one setting: replicas become Ray actors
+            ray_cpus_per_replica=1,
+            num_steps=SYNC_MODE_STEPS,
+            run_name=f"{RUN_NAME}-ray",
+            runs_dir=ray_runs_dir,
+        )
+        release_memory()
+        ray_result = train_multi_turn(
+            ray_config, tasks=train_tasks, env_factory=lambda task: ToolUseGameEnv()
+        )
+        ray_timeline = Timeline.load(ray_result.run_dir / TIMELINE_FILE)
+        display(timeline_figure([("2 Ray replicas", ray_timeline)], title="One lane per Ray replica"))
+        for i in range(2):
+            print(f"replica {i}: sampling {ray_timeline.busy_s(replica_lane(i), SAMPLING):.1f} s, "
+                  f"weight sync {ray_timeline.busy_s(replica_lane(i), WEIGHT_SYNC):.2f} s")
+    finally:
+        shutil.rmtree(ray_runs_dir, ignore_errors=True)
+""")
+
+md(r"""
 A run without a `RUNS_DIR` (the small mode) deletes its temporary folder here: checkpoints hold
 the weights and the optimizer state, over a gigabyte for this model.
 """)
@@ -649,8 +700,9 @@ md(r"""
   the first waits more, the second drops more and slows each group on a CPU.
 - **Weight sync.** `--weight-sync pipeline` on the recipe, for a longer run, and open its
   episodes in `EpisodeViewer` (notebook 03): hovering a sampled token shows its policy version.
-- **GPUs.** With one generator replica per GPU (`num_generator_replicas`) and the trainer on its
-  own device, the two sides no longer share cores, and the overlap pays off fully.
+- **GPUs.** With one generator replica per GPU (`num_generator_replicas` with
+  `generator_placement="ray"`, section 7) and the trainer on its own device, the two sides no
+  longer share cores, and the overlap pays off fully.
 """)
 
 

@@ -78,6 +78,10 @@ def test_the_async_recipe_shares_the_lockstep_flags_and_sizes_its_async_settings
         assert (
             tool_use_game_async.weight_sync_type(text) is WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH
         )
+    # Replicas as Ray actors, by one flag (the GRPOConfig fields' names as dests).
+    on_ray = tool_use_game_async.make_parser().parse_args(["--replicas", "2", "--ray"])
+    assert (on_ray.num_generator_replicas, on_ray.generator_placement) == (2, "ray")
+    assert tool_use_game_async.make_parser().parse_args([]).generator_placement is None  # the config's
     with pytest.raises(SystemExit):
         tool_use_game_async.make_parser().parse_args(["--weight-sync", "sometimes"])
     with pytest.raises(SystemExit):  # the lockstep recipe has no such flag

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import enum
+import importlib.util
 import math
 import os
 import re
@@ -45,6 +46,7 @@ ImportanceRatioLevel = Literal["token", "sequence"]
 LossType = Literal["ppo_clip", "cispo"]
 OnEnvError = Literal["end_episode", "raise"]
 GeneratorBackend = Literal["hf", "vllm"]
+GeneratorPlacement = Literal["local", "ray"]
 StaleGroups = Literal["prevent", "requeue", "drop"]
 # Spelling of GRPOConfig.device and .dtype; cookbook_lib/devices.py says what they mean and checks
 # the machine has them (it imports torch, which this module must not).
@@ -147,6 +149,16 @@ class GRPOConfig:
     """Who samples: ``hf`` (transformers, CPU or GPU) or ``vllm`` (an in-process vLLM engine sharing the
     GPU with training: ``pip install -e ".[vllm]"`` on a CUDA machine; see ``generators/vllm.py``).
     With ``use_lora`` vLLM receives the merged weights, as the ``hf`` backend does."""
+    generator_placement: GeneratorPlacement = "local"
+    """Where the replicas run: ``local`` (in this process, sharing its cores or device) or ``ray`` (one
+    Ray actor per replica with its own model copy: one GPU each on a GPU machine, else
+    ``ray_cpus_per_replica`` cores each; ``pip install -e ".[ray]"``; see ``generators/ray_replicas.py``)."""
+    ray_address: str | None = None
+    """With ``generator_placement="ray"``: the Ray cluster to join (``ray.init(address=...)``); None =
+    ``RAY_ADDRESS`` if set, else a local Ray is started for the run and stopped after it."""
+    ray_cpus_per_replica: int = 1
+    """With ``generator_placement="ray"`` on a CPU: cores (and torch threads) of each replica's actor.
+    1 measured fastest on a shared 2-core CPU (docs/benchmarks.md); raise it only on free cores."""
     # --- run directory, checkpoints ----------------------------------------------------------
     run_name: str = field(default_factory=_default_run_name)
     """Name of the run's directory ``runs_dir/run_name``; default: a timestamp and a random suffix."""
@@ -309,6 +321,7 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "weight_sync_type": tuple(WeightSyncType),
     "resume": (True, False, "auto"),
     "generator_backend": get_args(GeneratorBackend),
+    "generator_placement": get_args(GeneratorPlacement),
     "stale_groups": get_args(StaleGroups),
     "dtype": get_args(DTypeName),
 }
@@ -325,6 +338,7 @@ _BOUNDS: dict[str, tuple[float, bool, str]] = {
     "max_steps_off_policy": (0, False, "None = lockstep; for async start with 1"),
     "groups_in_flight": (1, False, "None = batch_size"),
     "num_generator_replicas": (1, False, ""),
+    "ray_cpus_per_replica": (1, False, ""),
     "checkpoint_interval": (0, False, "0 = checkpoint only at the end"),
     "keep_last_checkpoints": (1, False, "a resume needs the newest checkpoint"),
     "max_tokens_per_turn": (1, False, ""),
@@ -362,6 +376,10 @@ def _type_problems(c: GRPOConfig) -> list[str]:
             out.append(f"{name} must be a non-empty string, got {getattr(c, name)!r}")
     if not (isinstance(c.device, str) and DEVICE_PATTERN.match(c.device)):
         out.append(f"device={c.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N' (N a GPU index)")
+    if not (c.ray_address is None or (isinstance(c.ray_address, str) and c.ray_address)):
+        out.append(
+            f"ray_address must be a Ray address such as 'ray://host:10001', or None, got {c.ray_address!r}"
+        )
     if not (c.wandb_project is None or isinstance(c.wandb_project, str)):
         out.append(f"wandb_project must be a string or None, got {c.wandb_project!r}")
     return out
@@ -413,6 +431,26 @@ def _range_problems(c: GRPOConfig) -> list[str]:
         )
     if c.generator_backend == "vllm":
         out += _vllm_problems(c)
+    if c.generator_placement == "ray":
+        out += _ray_problems(c)
+    return out
+
+
+def _ray_problems(c: GRPOConfig) -> list[str]:
+    """What Ray placement needs. (Every weight-sync mode keeps its meaning: each actor's generator
+    switches weights between requests or between decode steps, as a local one does.)"""
+    out = []
+    if c.generator_backend != "hf":
+        out.append(
+            f"generator_placement='ray' runs generator_backend='hf' replicas in Ray actors, but "
+            f"generator_backend={c.generator_backend!r} (vLLM's engine runs in this process): set "
+            "generator_backend='hf', or generator_placement='local'"
+        )
+    if importlib.util.find_spec("ray") is None:
+        out.append(
+            "generator_placement='ray' needs Ray, which is not installed: pip install -e \".[ray]\" "
+            "(or pip install ray), or use generator_placement='local'"
+        )
     return out
 
 

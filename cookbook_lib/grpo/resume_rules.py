@@ -55,6 +55,10 @@ CHANGEABLE_ON_RESUME: tuple[str, ...] = (
     # activations instead of keeping them (the same gradients, less memory).
     "device",
     "generator_backend",
+    # Where the replicas run (in this process or in Ray actors, same generator, same seeds).
+    "generator_placement",
+    "ray_address",
+    "ray_cpus_per_replica",
     "micro_batch_tokens",
     "activation_checkpointing",
 )

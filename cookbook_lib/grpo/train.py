@@ -34,7 +34,9 @@ from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.devices import Precision, check_precision, sampling_copy
 from cookbook_lib.envs.base import Env, StepResult, Task
 from cookbook_lib.evaluate import evaluate_policy_async
+from cookbook_lib.generators.base import Generator
 from cookbook_lib.generators.factory import make_generator
+from cookbook_lib.generators.ray_replicas import RayReplicaPool
 from cookbook_lib.generators.vllm import check_vllm_available
 from cookbook_lib.grpo.async_loop import AsyncGRPO, RolloutCollector
 from cookbook_lib.grpo.config import GRPOConfig
@@ -156,23 +158,43 @@ async def _train(
         _run_warm_start(model, tokenizer, codec, warm_start, config, warm_dir, precision)
         release_memory()  # the warm-start's optimizer state is garbage now
     timeline = Timeline()
-    # Each replica samples with its own copy (but see _sampling_model); the trainer's weights
-    # reach it only when published.
-    replicas = GeneratorReplicas(
-        [
-            make_generator(
-                config.generator_backend,
-                _sampling_model(model, precision, config),
-                tokenizer,
-                step_callback=generator_step_recorder(timeline, replica_lane(i)),
-                seed=config.seed,
-                max_model_length=config.max_model_length,
-            )
-            for i in range(config.num_generator_replicas)
-        ],
-        config.weight_sync_type,
-        timeline,
-    )
+    replicas, ray_pool = _make_replicas(config, model, tokenizer, precision, timeline)
+    try:
+        return await _train_with(
+            config,
+            run_dir,
+            checkpoint,
+            model,
+            tokenizer,
+            codec,
+            precision,
+            timeline,
+            replicas,
+            tasks,
+            env_factory,
+            val_tasks,
+            on_step,
+        )
+    finally:
+        if ray_pool is not None:
+            ray_pool.shutdown()
+
+
+async def _train_with(
+    config: GRPOConfig,
+    run_dir: Path,
+    checkpoint: Path | None,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    codec: Codec,
+    precision: Precision,
+    timeline: Timeline,
+    replicas: GeneratorReplicas,
+    tasks: list[Task],
+    env_factory: EnvFactory,
+    val_tasks: Sequence[Task] | None,
+    on_step: StepCallback | None,
+) -> TrainResult:
     # float32 like the trained weights: its forwards run under the same autocast and fp32 head.
     reference = copy.deepcopy(model).eval() if config.kl_coef > 0 and not config.use_lora else None
     trainer = PolicyTrainer(
@@ -247,6 +269,51 @@ async def _train(
     metrics_by_step = read_metrics(run_dir)
     _write_curves(run_dir, metrics_by_step)
     return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
+
+
+def _make_replicas(
+    config: GRPOConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    precision: Precision,
+    timeline: Timeline,
+) -> tuple[GeneratorReplicas, RayReplicaPool | None]:
+    """The run's generator replicas, and the Ray actors behind them when placed on Ray.
+
+    The caller shuts the pool down in a ``finally``: actors outlive nothing.
+    """
+    ray_pool: RayReplicaPool | None = None
+    if config.generator_placement == "ray":
+        # One Ray actor per replica, each with its own copy of the sampling model; the actors
+        # are killed (and a Ray started here stopped) by the caller, however the run ends.
+        ray_pool = RayReplicaPool(
+            sampling_copy(model, precision),
+            tokenizer.pad_token_id,
+            config.num_generator_replicas,
+            address=config.ray_address,
+            cpus_per_replica=config.ray_cpus_per_replica,
+            trainer_gpu=precision.device if precision.device.type == "cuda" else None,
+        )
+        generators: list[Generator] = list(
+            ray_pool.generators(
+                [generator_step_recorder(timeline, replica_lane(i)) for i in range(ray_pool.count)]
+            )
+        )
+    else:
+        # Each replica samples with its own copy (but see _sampling_model); the trainer's weights
+        # reach it only when published.
+        generators = [
+            make_generator(
+                config.generator_backend,
+                _sampling_model(model, precision, config),
+                tokenizer,
+                step_callback=generator_step_recorder(timeline, replica_lane(i)),
+                seed=config.seed,
+                max_model_length=config.max_model_length,
+            )
+            for i in range(config.num_generator_replicas)
+        ]
+    return GeneratorReplicas(generators, config.weight_sync_type, timeline), ray_pool
 
 
 def _notify(on_step: StepCallback | None, outcome: StepOutcome) -> None:

@@ -3,10 +3,11 @@
 The config has the seed page's async shape (``max_steps_off_policy=1``, ``groups_in_flight``,
 ``num_generator_replicas``, ``weight_sync_type``), on top of ``recipes.grpo.tool_use_game``'s
 ``demo_config``, sized for a 2-core CPU and the embedded 135M model. The flags are the lockstep
-recipe's (the two share one ``main``), plus ``--weight-sync``:
+recipe's (the two share one ``main``), plus ``--weight-sync``, ``--replicas`` and ``--ray``:
 
     python -m recipes.grpo.tool_use_game_async
     python -m recipes.grpo.tool_use_game_async --weight-sync pipeline --steps 20 --run-name pipelined
+    python -m recipes.grpo.tool_use_game_async --replicas 2 --ray   # replicas as Ray actors
     python -m recipes.grpo.tool_use_game_async --small          # a tiny run, to check it works
 
 The async settings, and why these values here:
@@ -84,6 +85,22 @@ def make_parser() -> argparse.ArgumentParser:
         type=weight_sync_type,
         default=None,
         help="synchronous (the default), background_publish or pipeline",
+    )
+    parser.add_argument(
+        "--replicas",
+        dest="num_generator_replicas",
+        metavar="N",
+        type=int,
+        default=None,
+        help="generator replicas (default 1)",
+    )
+    parser.add_argument(
+        "--ray",
+        dest="generator_placement",
+        action="store_const",
+        const="ray",
+        default=None,
+        help='run each replica as a Ray actor (generator_placement="ray"; pip install -e ".[ray]")',
     )
     return parser
 
