@@ -38,6 +38,7 @@ from cookbook_lib.generators.ray_replicas import (
     RayReplicaPool,
     ReplicaLostError,
     gpu_plan,
+    start_local_ray,
 )
 from cookbook_lib.grpo import config as config_module
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
@@ -82,11 +83,37 @@ def test_gpu_plan_keeps_the_trainers_gpu_for_training_when_it_can():
     assert gpu_plan(["0", "1"], 0, 3) == (["0", "1"], 0.5)
 
 
+class FlakyRay:
+    """Stands in for the ``ray`` module: ``init`` fails its first ``failures`` calls."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.inits, self.shutdowns = failures, 0, 0
+
+    def init(self, **settings) -> None:
+        self.inits += 1
+        if self.inits <= self.failures:
+            raise RuntimeError("Timed out waiting for file metrics_agent_port")
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_local_ray_that_fails_to_start_is_tried_again_then_named():
+    flaky = FlakyRay(failures=1)
+    start_local_ray(flaky, num_cpus=2)
+    assert (flaky.inits, flaky.shutdowns) == (2, 1)
+    broken = FlakyRay(failures=5)
+    with pytest.raises(RuntimeError, match=r"did not start \(3 tries.*generator_placement='local'"):
+        start_local_ray(broken, num_cpus=2)
+    assert broken.inits == 3
+
+
 # --- on a local Ray cluster ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason=RAY_HINT)
-    ray.init(
+    start_local_ray(  # tried again if Ray's start-up misses its deadlines on a busy machine
+        ray,
         num_cpus=2,
         include_dashboard=False,
         object_store_memory=128 * 1024**2,

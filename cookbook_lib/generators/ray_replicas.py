@@ -54,6 +54,7 @@ from cookbook_lib.generators.base import (
     validate_prompt,
 )
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo
+from cookbook_lib.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,29 @@ def import_ray() -> Any:
             "or use generator_placement='local'"
         ) from exc
     return ray
+
+
+def start_local_ray(ray: Any, attempts: int = 3, **settings: Any) -> None:
+    """``ray.init(**settings)`` for a new local Ray, tried again if its start-up fails.
+
+    On an overloaded machine Ray's own processes can miss their start-up deadlines (measured here:
+    the raylet gave up waiting for its metrics agent after 30 s while other jobs held both cores),
+    and a second try usually starts.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**settings)
+            return
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if attempt == attempts:
+                raise RuntimeError(
+                    f"a local Ray did not start ({attempts} tries; last: {type(exc).__name__}: {exc}). "
+                    "Is the machine overloaded? Retry, join a running cluster with ray_address (or "
+                    "RAY_ADDRESS), or use generator_placement='local'"
+                ) from exc
+            logger.warning("a local Ray did not start (%s); trying again", exc)
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -231,7 +255,7 @@ class RayReplicaPool:
             store = max(MIN_OBJECT_STORE_BYTES, 3 * bytes_needed + 64 * 1024**2)
             num_cpus = max(os.cpu_count() or 1, self.count * cpus)
             if trainer_gpu is None:
-                ray.init(num_cpus=num_cpus, object_store_memory=store, **quiet)
+                start_local_ray(ray, num_cpus=num_cpus, object_store_memory=store, **quiet)
             else:
                 gpus, self.gpus_per_replica = gpu_plan(_visible_gpus(), _gpu_index(trainer_gpu), self.count)
                 # Ray hands its actors the GPUs it saw at start: show it only those (the trainer's
@@ -239,7 +263,9 @@ class RayReplicaPool:
                 saved = os.environ.get("CUDA_VISIBLE_DEVICES")
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
                 try:
-                    ray.init(num_cpus=num_cpus, num_gpus=len(gpus), object_store_memory=store, **quiet)
+                    start_local_ray(
+                        ray, num_cpus=num_cpus, num_gpus=len(gpus), object_store_memory=store, **quiet
+                    )
                 finally:
                     if saved is None:
                         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -251,7 +277,12 @@ class RayReplicaPool:
         """Ping every actor (its model loaded) and measure its clock against ours."""
         t0 = time.perf_counter()
         refs = [actor.clock.remote() for actor in self.actors]
-        _ready, pending = self.ray.wait(refs, num_returns=len(refs), timeout=ACTOR_START_TIMEOUT_S)
+        pending = list(refs)
+        # Actors take 10-30 s to start and copy the model in: a bar counts them in.
+        with progress_bar("starting Ray generator replicas", total=len(refs), unit="actor") as bar:
+            while pending and (left := ACTOR_START_TIMEOUT_S - (time.perf_counter() - t0)) > 0:
+                ready, pending = self.ray.wait(pending, num_returns=1, timeout=left)
+                bar.update(len(ready))
         if pending:
             missing = [self.names[refs.index(r)] for r in pending]
             raise RuntimeError(
