@@ -19,7 +19,7 @@ Arms (each runs in a fresh process, one after the other: a process's peak cannot
   baseline  the same run with the settings before issue 12: ``micro_batch_tokens=4096``, no
             activation checkpointing, a copy of the model for the generator in lockstep too, no
             token bound on the prefix cache, no memory handed back to the system between phases,
-            two checkpoints kept.
+            two full checkpoints and the warm-started model kept at the end.
 The ratio column is default / baseline. ``--notebook`` runs one notebook in full mode (no
 ``COOKBOOK_SMALL``) in a Jupyter kernel with the same probe and prints the same table.
 
@@ -255,8 +255,15 @@ ARMS = {
     "baseline": Arm(
         "baseline",
         "before issue 12: micro_batch_tokens=4096, no activation checkpointing, a generator copy in "
-        "lockstep, no token bound on the prefix cache, no malloc_trim, two checkpoints kept",
-        dict(micro_batch_tokens=4096, activation_checkpointing=False, keep_last_checkpoints=2),
+        "lockstep, no token bound on the prefix cache, no malloc_trim, two full checkpoints and the "
+        "warm-started model kept",
+        dict(
+            micro_batch_tokens=4096,
+            activation_checkpointing=False,
+            keep_last_checkpoints=2,
+            final_checkpoint="full",
+            keep_warm_start_model=True,
+        ),
         _baseline_patch,
     ),
 }

@@ -2,9 +2,10 @@
 
 Layout of ``run_dir/checkpoints/``::
 
-    step_000004/      model/ (save_pretrained output, or model.safetensors for a plain module),
+    step_000004/      model/ (save_pretrained output, or model.safetensors for a plain module;
+                      with the tokenizer when one is given: a complete model folder),
                       optimizer.pt, rng.pt, state.json (written last: the completeness marker)
-    step_000006/
+    step_000006/      a model-only checkpoint (``optimizer=None``) has no optimizer.pt
     latest            "step_000006": for people and scripts; resume does not depend on it
 
 A checkpoint is built in a hidden temporary folder and renamed into place, so a kill during a save
@@ -48,6 +49,8 @@ class CheckpointState:
     step: int
     extra_state: dict[str, Any]
     path: Path
+    optimizer_restored: bool = True
+    """False for a model-only checkpoint: the optimizer keeps its fresh state (AdamW: zero moments)."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -59,9 +62,10 @@ def save_checkpoint(
     step: int,
     *,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     extra_state: dict[str, Any],
     keep_last: int = 2,
+    tokenizer: Any | None = None,
 ) -> Path:
     """Save everything needed to continue after ``step``; keep the newest ``keep_last`` checkpoints.
 
@@ -69,11 +73,19 @@ def save_checkpoint(
     JSON-able; it is checked before anything is written. A peft model saves only its adapters; a
     transformers model saves with ``save_pretrained`` (safetensors), so ``model/`` loads on its own
     with ``from_pretrained``; any other module saves its ``state_dict`` as safetensors.
+    ``optimizer=None`` writes a model-only checkpoint (a third of the size with AdamW): it resumes
+    with the optimizer's fresh state. ``tokenizer`` is saved next to a transformers model's weights.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     state_text = json.dumps(
-        {"format": _FORMAT, "step": step, "model_kind": _model_kind(model), "extra_state": extra_state},
+        {
+            "format": _FORMAT,
+            "step": step,
+            "model_kind": _model_kind(model),
+            "has_optimizer": optimizer is not None,
+            "extra_state": extra_state,
+        },
         allow_nan=False,
         indent=2,
     )  # raises here, before any file is written, if extra_state is not JSON-able
@@ -87,8 +99,11 @@ def save_checkpoint(
     try:
         with quiet_libraries():  # no "Writing model shards" bar
             _save_model(model, scratch)
+            if tokenizer is not None and _model_kind(model) == "transformers":
+                tokenizer.save_pretrained(scratch / _MODEL_DIR)
         bar.update()
-        torch.save(optimizer.state_dict(), scratch / "optimizer.pt")
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), scratch / "optimizer.pt")
         bar.update()
         torch.save(_rng_state(), scratch / "rng.pt")
         (scratch / STATE_FILE).write_text(state_text, encoding="utf-8")
@@ -131,7 +146,8 @@ def load_checkpoint(
 
     ``model`` must be built as it was when saved (same architecture; for peft, the same adapters
     already attached): only the weights are loaded. Build the optimizer over the model's parameters
-    before calling this, as a fresh run would.
+    before calling this, as a fresh run would; a model-only checkpoint leaves it as built
+    (``optimizer_restored`` is then False).
     """
     path = Path(path)
     state_path = path / STATE_FILE
@@ -144,10 +160,15 @@ def load_checkpoint(
             "build the model as the run did (e.g. attach the LoRA adapter before loading)"
         )
     _load_model(model, path)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    # Checkpoints written before "has_optimizer" existed always had the optimizer.
+    has_optimizer = bool(state.get("has_optimizer", True))
+    if has_optimizer:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     if restore_rng:
         _set_rng_state(torch.load(path / "rng.pt", weights_only=True))
-    return CheckpointState(step=int(state["step"]), extra_state=state["extra_state"], path=path)
+    return CheckpointState(
+        step=int(state["step"]), extra_state=state["extra_state"], path=path, optimizer_restored=has_optimizer
+    )
 
 
 def _model_kind(model: torch.nn.Module) -> str:

@@ -243,7 +243,12 @@ the notebook's time. The lockstep run of section 4 uses the same config with
 
 code(r"""
 temporary_runs_dir = "" if RUNS_DIR else tempfile.mkdtemp(prefix="cookbook-04-")
-config = async_demo_config(run_name=f"{RUN_NAME}-async", runs_dir=RUNS_DIR or temporary_runs_dir, **OVERRIDES)
+config = async_demo_config(
+    run_name=f"{RUN_NAME}-async",
+    runs_dir=RUNS_DIR or temporary_runs_dir,
+    keep_warm_start_model=True,  # the later runs of this notebook start from it
+    **OVERRIDES,
+)
 for name in (
     "model", "batch_size", "episodes_per_task", "num_steps", "max_turns", "max_tokens_per_turn",
     "max_sampling_attempts", "sequential_validation", "max_steps_off_policy", "groups_in_flight",

@@ -94,6 +94,23 @@ def test_save_then_load_restores_weights_adam_moments_and_rng(tmp_path):
     assert np.array_equal(np.random.rand(2), next_draws[2])
 
 
+def test_a_model_only_checkpoint_restores_the_weights_and_leaves_the_optimizer_fresh(tmp_path):
+    model, optimizer = _make(0)
+    for _ in range(2):
+        _train_step(model, optimizer)
+    full = save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, extra_state={})
+    path = save_checkpoint(tmp_path, 3, model=model, optimizer=None, extra_state={"v": 3}, keep_last=1)
+    assert not full.exists()  # keep_last applies to model-only checkpoints too
+    assert not (path / "optimizer.pt").exists()
+    weights = _clone_state(model)
+
+    fresh_model, fresh_optimizer = _make(1)
+    state = load_checkpoint(path, model=fresh_model, optimizer=fresh_optimizer)
+    assert (state.step, state.extra_state, state.optimizer_restored) == (3, {"v": 3}, False)
+    _assert_same_weights(fresh_model, weights)
+    assert not fresh_optimizer.state  # AdamW as built: no moments yet
+
+
 def test_interrupted_saves_are_ignored_and_cleaned_up(tmp_path):
     model, optimizer = _make(0)
     assert latest_checkpoint(tmp_path) is None

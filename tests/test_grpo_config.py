@@ -146,6 +146,8 @@ CONTRADICTIONS = [
     ({"loss_type": "ppo"}, "'ppo_clip', 'cispo'"),
     ({"on_env_error": "ignore"}, "'end_episode', 'raise'"),
     ({"stale_groups": "skip"}, "'prevent', 'requeue', 'drop'"),
+    ({"final_checkpoint": "weights"}, "'full', 'model'"),
+    ({"keep_warm_start_model": "no"}, "keep_warm_start_model"),
     ({"weight_sync_type": "PIPELINE"}, "'WEIGHT_SYNC_TYPE_PIPELINE'"),
     ({"resume": "yes"}, "True, False, 'auto'"),
     ({"validation_interval": -1}, "validation_interval must be >= 0"),

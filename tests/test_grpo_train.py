@@ -163,6 +163,52 @@ def test_warm_start_then_grpo(tiny_model_dir, tmp_path):
     assert [m["step"] for m in result.metrics] == [0, 1]
 
 
+def test_a_finished_model_only_run_keeps_just_its_trained_model(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    demo = Demonstration(
+        messages=[Message(role="user", content=TASKS[0].prompt), Message(role="assistant", content="aaa")],
+        tool_specs=[],
+    )
+    warm_start = WarmStart([demo], steps=1, batch_size=1, learning_rate=1e-3)
+    config = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        final_checkpoint="model",
+        keep_warm_start_model=False,
+        keep_last_checkpoints=2,
+    )
+    result = run_single_turn(config, warm_start=warm_start)
+    run_dir = tmp_path / "tiny"
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert checkpoints == ["step_000002"]  # step 1's full checkpoint went when the run finished
+    final = run_dir / "checkpoints" / "step_000002"
+    assert not (final / "optimizer.pt").exists()
+    assert not (run_dir / "warm_start_model").exists()
+    # A complete model folder: the trained weights and the tokenizer load on their own.
+    loaded = AutoModelForCausalLM.from_pretrained(final / "model")
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, result.model.state_dict()[name].cpu()), name
+    AutoTokenizer.from_pretrained(final / "model")
+
+    capsys.readouterr()
+    extended = run_single_turn(dataclasses.replace(config, num_steps=3), warm_start=warm_start)
+    assert "AdamW restarts from zero moments" in capsys.readouterr().out
+    assert [m["step"] for m in extended.metrics] == [0, 1, 2, 3]
+    assert not (run_dir / "warm_start_model").exists()  # a checkpoint exists: no second warm-start
+
+
+@pytest.mark.parametrize("needs_it", [dict(kl_coef=0.1), dict(use_lora=True, lora_rank=2, lora_alpha=4)])
+def test_the_warm_start_model_stays_when_a_resume_needs_it(tiny_model_dir, tmp_path, needs_it):
+    demo = Demonstration(
+        messages=[Message(role="user", content=TASKS[0].prompt), Message(role="assistant", content="aaa")],
+        tool_specs=[],
+    )
+    config = tiny_config(tiny_model_dir, tmp_path, num_steps=1, keep_warm_start_model=False, **needs_it)
+    run_single_turn(config, warm_start=WarmStart([demo], steps=1, batch_size=1, learning_rate=1e-3))
+    assert (tmp_path / "tiny" / "warm_start_model" / "config.json").is_file()
+
+
 def test_single_turn_env_scores_the_reply():
     import asyncio
 

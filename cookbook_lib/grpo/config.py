@@ -48,6 +48,7 @@ OnEnvError = Literal["end_episode", "raise"]
 GeneratorBackend = Literal["hf", "vllm"]
 GeneratorPlacement = Literal["local", "ray"]
 StaleGroups = Literal["prevent", "requeue", "drop"]
+FinalCheckpoint = Literal["full", "model"]
 # Spelling of GRPOConfig.device and .dtype; cookbook_lib/devices.py says what they mean and checks
 # the machine has them (it imports torch, which this module must not).
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -170,6 +171,17 @@ class GRPOConfig:
     """Checkpoints kept on disk, newest first; older ones are deleted once a newer one is complete.
     Each holds the weights and AdamW's two moments (three times the float32 weights: ~1.6 GB for
     the embedded 135M model). 1 keeps the least; a resume needs only the newest."""
+    final_checkpoint: FinalCheckpoint = "full"
+    """What the last step's checkpoint holds. "full": like every other checkpoint, everything an
+    exact extension of the run needs (weights, AdamW's moments, RNG states). "model": the trained
+    model only (weights in the training dtype and the tokenizer: a complete model folder, ~0.54 GB
+    for the embedded model), and the run's older checkpoints are deleted once it is written.
+    Checkpoints written while the run goes are full either way, so a killed run resumes exactly;
+    extending a finished "model" run (a larger ``num_steps``) restarts AdamW from zero moments."""
+    keep_warm_start_model: bool = True
+    """Keep ``run_dir/warm_start_model`` (the warm-started model, which other runs can start from
+    with ``model=``) when the run finishes. False deletes it then, unless the run still needs it:
+    LoRA checkpoints hold adapters on top of it, and a KL penalty's reference model is it."""
     resume: bool | Literal["auto"] = "auto"
     """True: continue from the run's last checkpoint (fail if none); False: start afresh;
     "auto": resume when ``run_dir`` holds a checkpoint (a rerun of a killed run continues)."""
@@ -324,6 +336,7 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "generator_placement": get_args(GeneratorPlacement),
     "stale_groups": get_args(StaleGroups),
     "dtype": get_args(DTypeName),
+    "final_checkpoint": get_args(FinalCheckpoint),
 }
 # field -> (lowest value, whether the lowest value itself is excluded, what to know to fix it)
 _BOUNDS: dict[str, tuple[float, bool, str]] = {

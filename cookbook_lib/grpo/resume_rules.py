@@ -44,6 +44,8 @@ CHANGEABLE_ON_RESUME: tuple[str, ...] = (
     # Bookkeeping: checkpoints, logging, where the run folder is, how it was started.
     "checkpoint_interval",
     "keep_last_checkpoints",
+    "final_checkpoint",
+    "keep_warm_start_model",
     "wandb_project",
     "run_name",
     "runs_dir",

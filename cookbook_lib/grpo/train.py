@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -219,6 +221,11 @@ async def _train_with(
         first_group_index = int(state.extra_state.get("groups_started", 0))
         await replicas.load_everywhere(trainer.export_weights(), int(state.extra_state["policy_version"]))
         print(f"resumed {run_dir} after step {start_step}")
+        if not state.optimizer_restored and start_step < config.num_steps:
+            print(
+                f"{state.path.name} holds the model only (final_checkpoint='model'): "
+                "AdamW restarts from zero moments, so the extension is not what one longer run would train"
+            )
     collector: RolloutCollector | None = None
     if config.is_async:
         collector = RolloutCollector(
@@ -253,7 +260,8 @@ async def _train_with(
             dump_episodes(run_dir, step, outcome.episodes)
             if last or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
                 groups_started = collector.next_group_index if collector is not None else 0
-                _save(run_dir, step, trainer, replicas.version, groups_started, config)
+                model_only = last and config.final_checkpoint == "model"
+                _save(run_dir, step, trainer, tokenizer, replicas.version, groups_started, config, model_only)
                 timeline.save(run_dir / TIMELINE_FILE)
             _print_step(step, config.num_steps, outcome.metrics)
             _notify(on_step, outcome)
@@ -266,6 +274,7 @@ async def _train_with(
         log.close()
         await replicas.close()
         timeline.save(run_dir / TIMELINE_FILE)
+    _drop_warm_start_if_unneeded(run_dir, config)
     metrics_by_step = read_metrics(run_dir)
     _write_curves(run_dir, metrics_by_step)
     return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
@@ -448,19 +457,40 @@ def _save(
     run_dir: Path,
     step: int,
     trainer: PolicyTrainer,
+    tokenizer: PreTrainedTokenizerBase,
     policy_version: int,
     groups_started: int,
     config: GRPOConfig,
+    model_only: bool,
 ) -> None:
     # groups_started: where an async run's stream of groups resumes (groups in flight are redone).
+    # The tokenizer goes with the weights, so every checkpoint's model/ is a complete model folder.
     save_checkpoint(
         run_dir,
         step,
         model=trainer.model,
-        optimizer=trainer.optimizer,
+        optimizer=None if model_only else trainer.optimizer,
         extra_state={"policy_version": policy_version, "groups_started": groups_started, "seed": config.seed},
-        keep_last=config.keep_last_checkpoints,
+        keep_last=1 if model_only else config.keep_last_checkpoints,
+        tokenizer=tokenizer,
     )
+
+
+def _drop_warm_start_if_unneeded(run_dir: Path, config: GRPOConfig) -> None:
+    """Delete the warm-started model of a finished run when asked and nothing depends on it.
+
+    A resume loads every weight from the checkpoint, except LoRA (adapters on top of this model)
+    and a KL penalty (its reference model is this model): those keep it whatever the setting.
+    """
+    warm_dir = run_dir / WARM_START_DIR
+    needed = config.use_lora or config.kl_coef > 0
+    if config.keep_warm_start_model or needed or not warm_dir.is_dir() or latest_checkpoint(run_dir) is None:
+        return
+    # Renamed first: a kill mid-delete must not leave a half model where a later run would load it.
+    trash = warm_dir.with_name(f".trash-{WARM_START_DIR}")
+    shutil.rmtree(trash, ignore_errors=True)  # a leftover of an earlier kill
+    os.replace(warm_dir, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _print_step(step: int, num_steps: int, metrics: dict[str, float]) -> None:
