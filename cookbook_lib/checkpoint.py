@@ -124,7 +124,7 @@ def save_checkpoint(
         bar.close()
     _write_latest(root, final.name)
     for old in _complete_checkpoints(root)[:-keep_last]:
-        _delete(old)
+        delete_folder(old)
     return final
 
 
@@ -290,9 +290,11 @@ def _write_latest(root: Path, name: str) -> None:
     os.replace(temp, root / LATEST_FILE)
 
 
-def _delete(folder: Path) -> None:
-    """Rename first, then delete: a kill mid-delete must not leave a marked, half-deleted checkpoint."""
+def delete_folder(folder: Path) -> None:
+    """Rename first, then delete: a kill mid-delete must not leave a half-deleted checkpoint or model
+    where a later run would load it."""
     trash = folder.with_name(f".trash-{folder.name}")
+    shutil.rmtree(trash, ignore_errors=True)  # a leftover of an earlier kill
     os.replace(folder, trash)
     shutil.rmtree(trash, ignore_errors=True)
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 import random
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +29,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cookbook_lib.asyncio_utils import run_sync
-from cookbook_lib.checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint, save_checkpoint
+from cookbook_lib.checkpoint import (
+    checkpoint_step,
+    delete_folder,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.devices import Precision, check_precision, sampling_copy
 from cookbook_lib.envs.base import Env, StepResult, Task
@@ -486,11 +490,7 @@ def _drop_warm_start_if_unneeded(run_dir: Path, config: GRPOConfig) -> None:
     needed = config.use_lora or config.kl_coef > 0
     if config.keep_warm_start_model or needed or not warm_dir.is_dir() or latest_checkpoint(run_dir) is None:
         return
-    # Renamed first: a kill mid-delete must not leave a half model where a later run would load it.
-    trash = warm_dir.with_name(f".trash-{WARM_START_DIR}")
-    shutil.rmtree(trash, ignore_errors=True)  # a leftover of an earlier kill
-    os.replace(warm_dir, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    delete_folder(warm_dir)
 
 
 def _print_step(step: int, num_steps: int, metrics: dict[str, float]) -> None:
