@@ -530,10 +530,10 @@ Over a few steps the two should learn about equally; async is worth it when its 
 is lower at no loss of validation reward. A trainer idle fraction well below lockstep's, with the
 generator as busy or busier, is the overlap at work. On a CPU the two share the cores, so async
 can only win the time the cores sat idle in lockstep (waiting on tools, decoding a few long
-episodes): `bench/bench_async.py` measured 0.74x of lockstep's wall time on 2 cores, against a
-floor of 0.73x for that CPU work on those cores; with a GPU generating beside CPU-bound tools the
-gain is larger. In the small mode (one or two steps of two episodes) the numbers are dominated by
-start-up and say nothing.
+episodes): `bench/bench_async.py` measured 0.63-0.74x of lockstep's wall time on 2 cores, about
+the floor for that CPU work on those cores (0.67-0.73x); where sampling has compute of its own
+(a GPU beside CPU-bound tools) the gain can be larger. In the small mode (one or two steps of
+two episodes) the numbers are dominated by start-up and say nothing.
 """)
 
 md(r"""
