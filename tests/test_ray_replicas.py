@@ -157,7 +157,7 @@ def test_seeded_lockstep_matches_local_replicas(ray_cluster, tiny_model_dir, tmp
             assert remote.get(name) == pytest.approx(local.get(name), rel=1e-4), name
     for step in (1, 2):  # the same seeds, drawn in the driver: the same samples
         local, remote = (_sampled_tokens(results[p].run_dir, step) for p in ("local", "ray"))
-        assert local == remote
+        _assert_the_same_draws(local, remote)
     # Each replica's forward passes are on its own lane, and each publication is a weight sync.
     timeline = Timeline.load(results["ray"].run_dir / TIMELINE_FILE)
     for i in (0, 1):
@@ -165,8 +165,54 @@ def test_seeded_lockstep_matches_local_replicas(ray_cluster, tiny_model_dir, tmp
         assert timeline.busy_s(replica_lane(i), WEIGHT_SYNC) > 0
 
 
-def _sampled_tokens(run_dir, step: int) -> list[list[list[int]]]:
-    return sorted([t["sampled_tokens"] for t in e["turns"]] for e in _episodes(run_dir, step))
+def _sampled_tokens(run_dir, step: int) -> list[list[int]]:
+    episodes = _episodes(run_dir, step)
+    return sorted([token for turn in e["turns"] for token in turn["sampled_tokens"]] for e in episodes)
+
+
+def _assert_the_same_draws(local: list[list[int]], remote: list[list[int]]) -> None:
+    """The same seeds give the same samples, up to a draw that lands on a token boundary.
+
+    Which requests share a batch depends on when they reach a replica, and a batch of another
+    shape rounds the logits differently in the last bits. A seeded uniform that falls within that
+    rounding of a boundary of the inverse CDF (summed in vocabulary order) then picks the token
+    next to it, and the episode goes its own way from there. Seen once in CI: 1 episode of 8, 10091
+    against 10092 at its third token. Anything else (another seed, another model) differs at once
+    and everywhere.
+    """
+    assert len(local) == len(remote)
+    unmatched = list(remote)
+    differing = []
+    for episode in local:
+        if episode in unmatched:
+            unmatched.remove(episode)
+        else:
+            differing.append(episode)
+    for episode in differing:
+        partner = next((other for other in unmatched if _boundary_neighbours(episode, other)), None)
+        assert partner is not None, f"no seeded twin for {episode} among {unmatched}"
+        unmatched.remove(partner)
+    assert len(differing) <= len(local) // 4, (differing, local)
+
+
+def test_the_seeded_comparison_forgives_only_a_boundary_draw():
+    same = [[5, 6, 7], [8, 9, 10], [1, 2, 3], [4, 4, 4]]
+    _assert_the_same_draws(same, list(same))
+    _assert_the_same_draws(same, [[5, 6, 7], [8, 9, 11], [1, 2, 3], [4, 4, 4]])  # 10 / 11: neighbours
+    _assert_the_same_draws(same, [[5, 6, 7], [8, 10, 3], [1, 2, 3], [4, 4, 4]])  # then its own way
+    for other in (
+        [[5, 6, 7], [8, 9, 12], [1, 2, 3], [4, 4, 4]],  # not neighbours
+        [[5, 6, 8], [8, 9, 11], [1, 2, 3], [4, 4, 4]],  # two of four differ
+        [[5, 6, 7], [8, 9, 10], [1, 2, 3], [4, 4]],  # a shorter sample
+    ):
+        with pytest.raises(AssertionError):
+            _assert_the_same_draws(same, other)
+
+
+def _boundary_neighbours(a: list[int], b: list[int]) -> bool:
+    """Equal up to their first difference, where the two tokens are neighbours in the vocabulary."""
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    return first is not None and abs(a[first] - b[first]) == 1
 
 
 def _episodes(run_dir, step: int) -> list[dict]:
