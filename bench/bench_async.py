@@ -150,12 +150,6 @@ def oldest_trained_token_age(run_dir: Path, metrics: list[dict]) -> int:
     return oldest
 
 
-def process_cpu_s() -> float:
-    """CPU seconds this process has used so far, all its threads together (user + system)."""
-    times = os.times()
-    return times.user + times.system
-
-
 def cores_used(step_ends: dict[int, tuple[float, float]], last_step: int) -> float | None:
     """Mean cores busy (CPU seconds per wall second) from the end of step 1 to the end of step
     ``last_step - 1``: the timed steps without the last one, whose end also validates and saves.
@@ -171,12 +165,17 @@ def run_arm(
 ) -> dict:
     started, load_before = time.perf_counter(), os.getloadavg()
     step_ends: dict[int, tuple[float, float]] = {}  # step -> (wall, process CPU) when it ended
+
+    def record_step_end(outcome) -> None:
+        # process_time: CPU seconds of the whole process, every thread (user + system).
+        step_ends[outcome.step] = (time.perf_counter(), time.process_time())
+
     result = train_multi_turn(
         config,
         tasks=tasks,
         env_factory=lambda task: ReviewedRepliesEnv(latency_s),
         val_tasks=val_tasks,
-        on_step=lambda outcome: step_ends.__setitem__(outcome.step, (time.perf_counter(), process_cpu_s())),
+        on_step=record_step_end,
     )
     all_steps = [m for m in result.metrics if m["step"] >= 1]
     # Step 1 carries one-time costs (optimizer state, first allocations): timed from step 2 on.
