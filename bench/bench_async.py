@@ -50,6 +50,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -299,16 +300,21 @@ def main(argv: list[str] | None = None) -> dict:
         f"{platform.processor() or 'cpu'}"
     )
     print(f"load average (1, 5, 15 min) at the start: {_load()}")
-    arms = [run_arm("lockstep", base, tasks, val_tasks, args.tool_latency)]
-    for rule in args.stale_groups:
-        config = dataclasses.replace(
-            base,
-            run_name=f"async-{rule}",
-            max_steps_off_policy=args.max_steps_off_policy,
-            groups_in_flight=args.groups_in_flight,
-            stale_groups=rule,
-        )
-        arms.append(run_arm(f"async-{rule}", config, tasks, val_tasks, args.tool_latency))
+    try:
+        arms = [run_arm("lockstep", base, tasks, val_tasks, args.tool_latency)]
+        for rule in args.stale_groups:
+            config = dataclasses.replace(
+                base,
+                run_name=f"async-{rule}",
+                max_steps_off_policy=args.max_steps_off_policy,
+                groups_in_flight=args.groups_in_flight,
+                stale_groups=rule,
+            )
+            arms.append(run_arm(f"async-{rule}", config, tasks, val_tasks, args.tool_latency))
+    finally:
+        # Every arm leaves a final checkpoint of ~1.5 GB (weights and optimizer state); run_arm has
+        # read what the report needs, so the runs go, finished or not.
+        shutil.rmtree(runs_dir, ignore_errors=True)
     lockstep = arms[0]
     ideal_s = max(lockstep["sampling_s"], lockstep["training_s"])
     columns = ("wall s", "ratio", "trainer idle", "generator busy", "dropped", "cores used")
