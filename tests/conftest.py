@@ -58,3 +58,23 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def sliding_model(sharpen):
+    """A tiny model whose layers attend within a sliding window: its cache keeps only the last
+    keys, so rows cannot be kept for prefix reuse nor put in fixed-shape slots."""
+    import torch
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    return sharpen(AutoModelForCausalLM.from_config(config), seed=3)

@@ -1,5 +1,9 @@
 """The generator interface and the batching transformers backend.
 
+Every test runs twice, once per decode path of ``HFGenerator``: the growing cache (the CPU
+default) and the fixed-shape slots (the CUDA default, ``slot_batch.py``; eager on a CPU, so what
+is checked here is its cache layout, masks and bookkeeping, not the graphs).
+
 Most tests use a tiny random model whose weights are redrawn with a larger spread: the default
 initialisation gives near-uniform next-token distributions and greedy paths that repeat one
 token, which would let wrong padding or positions go unnoticed.
@@ -23,9 +27,22 @@ from cookbook_lib.generators import (
     StepInfo,
     kv_cache,
 )
+from cookbook_lib.generators import hf as hf_module
 from cookbook_lib.generators.sampling import RowSampling, choose_tokens
+from cookbook_lib.generators.slot_batch import fixed_shape_decode_supported as supported
 
 TIMEOUT_S = 120  # only a guard against hangs; no test asserts how long anything takes
+
+
+@pytest.fixture(autouse=True, params=["growing cache", "fixed-shape slots"])
+def decode_path(request, monkeypatch):
+    """Which decode path ``fixed_shape_decode=None`` picks in this test (a model that cannot use
+    slots still gets the growing cache)."""
+    fixed = request.param == "fixed-shape slots"
+    monkeypatch.setattr(
+        hf_module, "fixed_shape_by_default", lambda model, device: fixed and supported(model) is True
+    )
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -720,21 +737,9 @@ def test_the_generator_keeps_at_most_its_bound_and_frees_everything_on_close(mod
     assert run(main(0))[0] == 0
 
 
-def test_a_sliding_window_model_samples_without_prefix_reuse(sharpen):
+def test_a_sliding_window_model_samples_without_prefix_reuse(sliding_model):
     """Sliding-window layers keep only their last keys: a kept row could not be stacked back."""
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    config = MistralConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=8,
-    )
-    torch.manual_seed(0)
-    model = sharpen(AutoModelForCausalLM.from_config(config), seed=3)
+    model = sliding_model
     params = SamplingParams(temperature=0, max_tokens=5)
 
     async def main():

@@ -38,6 +38,7 @@ from cookbook_lib.generators.base import (
 from cookbook_lib.generators.batch import DecodeBatch, Request, Row
 from cookbook_lib.generators.handoff import WeightUpdate, check_state_dict, deliver
 from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
+from cookbook_lib.generators.slot_batch import SlotDecodeBatch, fixed_shape_decode_supported
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,11 @@ class HFGenerator(Generator):
             per token: the default, ``DEFAULT_PREFIX_CACHE_TOKENS``, is 0.75 GB for the embedded
             model in float32. The least recently stored go first, so the samples of episodes that
             ended (nobody extends them) go before those of episodes still playing.
+        fixed_shape_decode: decode in fixed-shape slots replayed as CUDA graphs (``slot_batch.py``)
+            instead of a cache that grows each step. None (default): on when the model is on CUDA
+            and its cache and attention allow it (full attention, sdpa or eager), since that is
+            where it is faster; the CPU keeps the growing cache. True on a model that cannot
+            raises ``ValueError`` with the reason. Both sample the same, up to float rounding.
 
     Kept prefixes hold keys and values of the current weights: ``update_weights`` drops them all,
     and samples in flight during an update are not kept (their caches mix two versions). To change
@@ -85,6 +91,7 @@ class HFGenerator(Generator):
         step_callback: Callable[[StepInfo], None] | None = None,
         prefix_cache_entries: int = 64,
         prefix_cache_tokens: int | None = DEFAULT_PREFIX_CACHE_TOKENS,
+        fixed_shape_decode: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -104,7 +111,15 @@ class HFGenerator(Generator):
         if not kv_cache.supports_reuse(model):
             self._prefixes.max_entries = 0
         keep = self._prefixes.max_entries > 0
-        self._batch = DecodeBatch(model, pad_token_id=pad_token_id, device=self.device, keep_finished_kv=keep)
+        if fixed_shape_decode is None:
+            fixed_shape_decode = fixed_shape_by_default(model, self.device)
+        elif fixed_shape_decode and (reason := fixed_shape_decode_supported(model)) is not True:
+            raise ValueError(
+                f"fixed_shape_decode=True, but {type(model).__name__} cannot decode in fixed slots: "
+                f"{reason}. Pass fixed_shape_decode=None to pick what the model allows."
+            )
+        batch_class = SlotDecodeBatch if fixed_shape_decode else DecodeBatch
+        self._batch = batch_class(model, pad_token_id=pad_token_id, device=self.device, keep_finished_kv=keep)
         self._version = 0
         # Everything below is shared between the event loop and the worker, guarded by _wake.
         self._wake = threading.Condition()
@@ -112,6 +127,11 @@ class HFGenerator(Generator):
         self._weight_updates: deque[WeightUpdate] = deque()
         self._closed = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def fixed_shape_decode(self) -> bool:
+        """Whether decode steps run in fixed-shape slots (CUDA graphs on a GPU)."""
+        return isinstance(self._batch, SlotDecodeBatch)
 
     @property
     def policy_version(self) -> int:
@@ -309,3 +329,8 @@ class HFGenerator(Generator):
                 row.prefix = None
             if not row.request.cancelled:
                 deliver(row.request.future, row.request.loop, row.result())
+
+
+def fixed_shape_by_default(model: PreTrainedModel, device: torch.device) -> bool:
+    """What ``fixed_shape_decode=None`` picks: fixed slots on CUDA where the model allows them."""
+    return device.type == "cuda" and fixed_shape_decode_supported(model) is True
