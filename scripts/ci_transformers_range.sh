@@ -20,10 +20,12 @@ TRANSFORMERS_NEWEST=5.24.0
 HUB_FOR_NEWEST=2.4.0
 
 # Fast and enough to catch a transformers API change on our paths: cache handling in the generator
-# (test_generators.py, the tests not marked slow), episodes through it, one GRPO step end to end.
+# (test_generators.py over both decode paths, and test_slot_batch.py; the tests not marked slow),
+# episodes through it, one GRPO step end to end.
 LANE_TESTS=(
   tests/test_transformers_range.py
   tests/test_generators.py
+  tests/test_slot_batch.py
   tests/test_model_rollout.py
   tests/test_grpo_train.py::test_a_run_writes_its_config_metrics_episodes_and_checkpoints
 )

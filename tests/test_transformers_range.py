@@ -127,13 +127,16 @@ def no_transformers_warnings() -> Iterator[None]:
     assert handler.messages == [], handler.messages
 
 
-def test_multi_turn_sampling_with_prefix_reuse_warns_nothing(tiny_model_and_tokenizer):
+@pytest.mark.parametrize("fixed_shape_decode", [False, True], ids=["growing cache", "fixed-shape slots"])
+def test_multi_turn_sampling_with_prefix_reuse_warns_nothing(tiny_model_and_tokenizer, fixed_shape_decode):
     model, tokenizer = tiny_model_and_tokenizer
     prompt = tokenizer.encode("What is two plus two?")
     turn_end = tokenizer.encode("<|im_end|>\n<|im_start|>user\nresult: 4<|im_end|>\n<|im_start|>assistant\n")
 
     async def two_turns() -> HFGenerator:
-        async with HFGenerator(model, pad_token_id=tokenizer.pad_token_id) as generator:
+        async with HFGenerator(
+            model, pad_token_id=tokenizer.pad_token_id, fixed_shape_decode=fixed_shape_decode
+        ) as generator:
             first = await generator.sample(prompt, SamplingParams(max_tokens=6, seed=0))
             await asyncio.gather(
                 *(

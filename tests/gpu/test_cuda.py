@@ -6,6 +6,7 @@ Skipped without CUDA. ``python -m cookbook_lib.gpu_check`` runs these with the d
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
@@ -136,3 +137,38 @@ def test_fresh_samples_have_ratio_one_on_cuda(tiny_model_and_tokenizer, sharpen,
     mean_bound, worst_bound = RATIO_TOLERANCE[dtype]
     assert float(log_ratio.abs().mean()) < mean_bound
     assert float(log_ratio.abs().max().exp() - 1) < worst_bound
+
+
+def test_fixed_shape_decoding_replays_cuda_graphs_and_samples_what_the_growing_cache_does(
+    tiny_model_and_tokenizer, sharpen
+):
+    """Greedy two-turn episodes (the second turn reuses the first's cache), 20 of them so the
+    steps run over several buckets of slots: the CUDA graphs give the growing cache's tokens."""
+    model, tokenizer = tiny_model_and_tokenizer
+    master = sharpen(model, seed=4).to("cuda")  # float32: greedy paths are then the same in both
+    codec = make_codec(tokenizer)
+    prompts = [
+        codec.render_prompt([{"role": "user", "content": f"Tell me about {i} {'cats ' * (i % 5)}."}], [])
+        for i in range(20)
+    ]
+    turn_end = tokenizer.encode("<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    async def episodes(fixed: bool):
+        async with HFGenerator(master, pad_token_id=tokenizer.pad_token_id, fixed_shape_decode=fixed) as g:
+
+            async def episode(prompt: list[int]) -> list[int]:
+                first = await g.sample(prompt, params)
+                second = await g.sample(prompt + first.tokens + turn_end, params)
+                return first.tokens + second.tokens
+
+            tokens = await asyncio.gather(*(episode(p) for p in prompts))
+            graphs = g._batch.num_graphs if fixed else 0
+            return tokens, graphs, g._batch.use_cuda_graphs if fixed else False
+
+    growing, _, _ = run_sync(episodes(False))
+    assert HFGenerator(master, pad_token_id=tokenizer.pad_token_id).fixed_shape_decode  # the CUDA default
+    fixed, graphs, still_on = run_sync(episodes(True))
+    assert still_on and graphs >= 2  # captured (no fallback) and more than one bucket
+    agree = sum(a == b for a, b in zip(fixed, growing, strict=True))
+    assert agree >= 18, f"{agree}/20 greedy episodes agree"  # kernels of other shapes round differently
