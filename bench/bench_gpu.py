@@ -3,6 +3,7 @@
     python bench/bench_gpu.py                      # the device "auto" picks; sizes for it
     python bench/bench_gpu.py --device cpu         # try it without a GPU (smaller default sizes)
     python bench/bench_gpu.py --out runs/bench_gpu.json
+    python bench/bench_gpu.py --profile            # also: what one decode step launches, per dtype
 
 The model is a random-init copy of the embedded model's architecture (135M parameters, same
 tokenizer): throughput depends on shapes, not on weights, and it needs no weights on the GPU
@@ -12,8 +13,11 @@ Two sections, each measured side by side in one process (a shared machine makes 
 move between runs; the ratios of one run move much less):
 
 1. Decoding: ``--rows`` prompts of ``--prompt-tokens`` tokens, ``--new-tokens`` sampled each with
-   no early stop. ``HFGenerator`` against the baseline, one left-padded ``model.generate`` of the
-   same rows, in float32 and in bfloat16.
+   no early stop, in float32 and in bfloat16. Three ways: the baseline, one left-padded
+   ``model.generate`` of the same rows; ``HFGenerator`` on its growing KV cache (the CPU default);
+   ``HFGenerator`` with fixed-shape slots (the CUDA default: CUDA graphs on a GPU, eager on a CPU).
+   Each is warmed up first on the same rows, so one-off costs (kernel loading, graph capture) stay
+   out of the timing, as they would in a long run.
 2. One single-turn GRPO step of ``--prompts`` x ``--completions`` x ``--grpo-tokens`` tokens
    (``train_single_turn``): the median of the steady steps in each dtype policy, float32 the
    baseline.
@@ -27,11 +31,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -65,58 +72,153 @@ def random_prompts(vocab: int, rows: int, length: int, seed: int = 0) -> list[li
     return torch.randint(1000, min(vocab, 40_000), (rows, length), generator=generator).tolist()
 
 
-def padded_generate(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int) -> int:
-    """The baseline: one left-padded ``generate`` of every row (all prompts have one length here)."""
+BASELINE = "padded generate (baseline)"
+GROWING = "HFGenerator, growing cache"
+FIXED = "HFGenerator, fixed slots"
+
+
+def padded_generate(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int) -> tuple[int, float]:
+    """The baseline: one left-padded ``generate`` of every row (all prompts have one length here).
+    Returns the tokens sampled and the seconds the timed call took (after a short warm-up)."""
     ids = torch.tensor(prompts, device=model.device)
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        eos_token_id=None,
-        pad_token_id=pad_token_id,
-    )
-    output = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return (output.shape[1] - ids.shape[1]) * len(prompts)
+
+    def generate(tokens: int) -> int:
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            eos_token_id=None,
+            pad_token_id=pad_token_id,
+        )
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return (output.shape[1] - ids.shape[1]) * len(prompts)
+
+    generate(4)
+    return timed(model.device, lambda: generate(new_tokens))
 
 
-def hf_generator(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int) -> int:
+def hf_generator(
+    model, prompts: list[list[int]], new_tokens: int, pad_token_id: int, *, fixed_shape: bool
+) -> tuple[int, float]:
+    """``HFGenerator`` on all rows at once, warmed up on the same generator first: with fixed
+    slots, the warm-up captures the CUDA graphs of the buckets the timed run steps through."""
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
+    warm = SamplingParams(temperature=1.0, max_tokens=min(new_tokens, 8))
 
-    async def main() -> int:
-        async with HFGenerator(model, pad_token_id=pad_token_id, prefix_cache_entries=0) as generator:
+    async def main() -> tuple[int, float]:
+        async with HFGenerator(
+            model, pad_token_id=pad_token_id, prefix_cache_entries=0, fixed_shape_decode=fixed_shape
+        ) as generator:
+            await asyncio.gather(*(generator.sample(prompt, warm) for prompt in prompts))
+            synchronize(model.device)
+            start = time.perf_counter()
             results = await asyncio.gather(*(generator.sample(prompt, params) for prompt in prompts))
-        return sum(len(result.tokens) for result in results)
+            synchronize(model.device)
+            return sum(len(result.tokens) for result in results), time.perf_counter() - start
 
     return asyncio.run(main())
+
+
+def timed(device: torch.device, work) -> tuple[int, float]:
+    synchronize(device)
+    start = time.perf_counter()
+    tokens = work()
+    synchronize(device)
+    return tokens, time.perf_counter() - start
+
+
+def load_sampler(model_dir: Path, device_spec: str, dtype: str):
+    """The model as a run samples with it: float32 master weights, copied to the sampling dtype."""
+    precision = check_precision(device_spec, dtype)
+    with quiet_libraries():
+        master = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sampling_copy(master.to(precision.device), precision)
 
 
 def decoding(model_dir: Path, device_spec: str, sizes: dict, pad_token_id: int) -> list[dict]:
     rows = []
     for dtype in DTYPES:
-        precision = check_precision(device_spec, dtype)
-        with quiet_libraries():
-            master = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model = sampling_copy(master.to(precision.device), precision)
-        del master
+        model = load_sampler(model_dir, device_spec, dtype)
         prompts = random_prompts(model.config.vocab_size, sizes["rows"], sizes["prompt_tokens"])
-        warm = prompts[: min(4, len(prompts))]
-        hf_generator(model, warm, 4, pad_token_id)  # warm-up: kernels, allocator
-        padded_generate(model, warm, 4, pad_token_id)
-        methods = {"padded generate (baseline)": padded_generate, "HFGenerator": hf_generator}
+        methods = {
+            BASELINE: padded_generate,
+            GROWING: lambda *a: hf_generator(*a, fixed_shape=False),
+            FIXED: lambda *a: hf_generator(*a, fixed_shape=True),
+        }
         for method, sample in methods.items():
-            synchronize(precision.device)
-            start = time.perf_counter()
-            tokens = sample(model, prompts, sizes["new_tokens"], pad_token_id)
-            synchronize(precision.device)
-            seconds = time.perf_counter() - start
+            tokens, seconds = sample(model, prompts, sizes["new_tokens"], pad_token_id)
             rows.append(
                 dict(dtype=dtype, method=method, seconds=seconds, tokens=tokens, tok_s=tokens / seconds)
             )
             print(f"  {dtype:9} {method:28} {tokens / seconds:10.1f} tok/s ({seconds:.2f} s)", flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """The profiler's C++ side prints start and stop lines straight to file descriptor 2, out of
+    reach of Python's logging and warnings: they go to /dev/null while it runs."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def profile_decode_step(model_dir: Path, device_spec: str, sizes: dict, pad_token_id: int) -> list[dict]:
+    """What one eager decode step over ``rows`` rows runs, per dtype: the number of kernels it
+    launches (on a GPU; aten ops on a CPU) and the ops that take most of its time. This is how to
+    see why a dtype is slower when the step is launch-bound (same count, more time per launch, or
+    more launches such as dtype casts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cookbook_lib.generators.batch import DecodeBatch, Request
+
+    found = []
+    for dtype in DTYPES:
+        model = load_sampler(model_dir, device_spec, dtype)
+        device = next(model.parameters()).device
+        prompts = random_prompts(model.config.vocab_size, sizes["rows"], sizes["prompt_tokens"])
+        loop = asyncio.new_event_loop()
+        batch = DecodeBatch(model, pad_token_id=pad_token_id, device=device)
+        params = SamplingParams(temperature=1.0, max_tokens=64)
+        with torch.inference_mode():
+            batch.admit(
+                [Request(p, params, torch.Generator(), loop.create_future(), loop) for p in prompts], 0
+            )
+            for _ in range(3):  # warm-up
+                batch.step(0)
+            synchronize(device)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with native_stderr_silenced(), profile(activities=activities) as prof:
+                batch.step(0)
+                synchronize(device)
+        loop.close()
+        events = prof.key_averages()
+        if device.type == "cuda":
+            kernels = [e for e in events if e.device_type.name == "CUDA"]
+            launches = sum(e.count for e in kernels)
+            key = "self_device_time_total"
+        else:
+            kernels = [e for e in events if e.key.startswith("aten::")]
+            launches = sum(e.count for e in kernels)
+            key = "self_cpu_time_total"
+        step_ms = sum(getattr(e, key) for e in kernels) / 1000
+        top = sorted(kernels, key=lambda e: getattr(e, key), reverse=True)[:6]
+        share = [(e.key[:60], e.count, round(getattr(e, key) / 1000, 3)) for e in top]
+        found.append(dict(dtype=dtype, launches=launches, busy_ms=step_ms, top=share))
+        unit = "kernel launches" if device.type == "cuda" else "aten ops (nested ones included)"
+        print(f"  {dtype:9} one decode step: {launches} {unit}, {step_ms:.2f} ms busy; top:", flush=True)
+        for name, count, ms in share:
+            print(f"      {ms:8.3f} ms  x{count:<4} {name}", flush=True)
+    return found
 
 
 def grpo_steps(model_dir: Path, device_spec: str, sizes: dict) -> list[dict]:
@@ -164,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in GPU_SIZES:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
     parser.add_argument("--skip-grpo", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile one eager decode step per dtype")
     parser.add_argument("--out", default=None, help="write every figure as JSON here")
     args = parser.parse_args(argv)
     device = check_precision(args.device, "float32").device
@@ -177,12 +280,22 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"bench_gpu on {device} ({name}), torch {torch.__version__}, sizes {sizes}", flush=True)
         print("1. decoding", flush=True)
         decode = decoding(model_dir, args.device, sizes, pad_token_id)
+        profiled = []
+        if args.profile:
+            print(f"profile of one decode step over {sizes['rows']} rows (growing cache, eager)", flush=True)
+            profiled = profile_decode_step(model_dir, args.device, sizes, pad_token_id)
         grpo = []
         if not args.skip_grpo:
             print("2. one GRPO step", flush=True)
             grpo = grpo_steps(model_dir, args.device, sizes)
     report = dict(
-        device=str(device), device_name=name, torch=torch.__version__, sizes=sizes, decode=decode, grpo=grpo
+        device=str(device),
+        device_name=name,
+        torch=torch.__version__,
+        sizes=sizes,
+        decode=decode,
+        profile=profiled,
+        grpo=grpo,
     )
     report["summary"] = summarize(report, on_gpu=device.type == "cuda")
     print("\n".join(report["summary"]))
@@ -196,11 +309,19 @@ def summarize(report: dict, on_gpu: bool) -> list[str]:
     """The figures and their ratios to the baselines, and each target met or not (on a GPU)."""
     by = {(r["dtype"], r["method"]): r["tok_s"] for r in report["decode"]}
     lines = ["summary:"]
+    # The path HFGenerator takes by default here: fixed slots on a GPU, the growing cache on a CPU.
+    default = FIXED if on_gpu else GROWING
     for dtype in DTYPES:
-        ours, base = by[(dtype, "HFGenerator")], by[(dtype, "padded generate (baseline)")]
-        lines.append(f"  {dtype}: HFGenerator {ours:,.0f} tok/s = {ours / base:.2f}x one padded generate")
-    bf16_vs_fp32 = by[("bfloat16", "HFGenerator")] / by[("float32", "HFGenerator")]
-    lines.append(f"  bf16 / fp32 HFGenerator throughput: {bf16_vs_fp32:.2f}x")
+        base, growing, fixed = (by[(dtype, method)] for method in (BASELINE, GROWING, FIXED))
+        lines.append(
+            f"  {dtype}: HFGenerator growing cache {growing:,.0f} tok/s = {growing / base:.2f}x, "
+            f"fixed slots {fixed:,.0f} tok/s = {fixed / base:.2f}x one padded generate"
+        )
+    bf16_vs_fp32 = by[("bfloat16", default)] / by[("float32", default)]
+    lines.append(f"  bf16 / fp32 throughput ({default}, the default here): {bf16_vs_fp32:.2f}x")
+    for found in report.get("profile", []):
+        launches, busy_ms = found["launches"], found["busy_ms"]
+        lines.append(f"  {found['dtype']}: one eager decode step {launches} launches, {busy_ms:.2f} ms")
     steps = {r["dtype"]: r["median_step_s"] for r in report["grpo"]}
     if steps:
         lines.append(
@@ -208,7 +329,7 @@ def summarize(report: dict, on_gpu: bool) -> list[str]:
             f"({steps['float32'] / steps['bfloat16']:.2f}x)"
         )
     if on_gpu:
-        best = max(by[(d, "HFGenerator")] for d in DTYPES)
+        best = max(by[(d, default)] for d in DTYPES)
         rows = report["sizes"]["rows"]
         lines.append(
             f"  target >= {TARGET_TOKENS_PER_S:,} tok/s at {rows} rows: {_met(best >= TARGET_TOKENS_PER_S)}"

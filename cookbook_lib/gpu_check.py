@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU check on {machine_line(device)}; logs in {out}", flush=True)
 
     demo_args = ["--device", device, "--run-name", "demo"]
-    bench_args = ["--device", device, "--out", str(out / "bench_gpu.json")]
+    # --profile: kernel launches per decode step in each dtype, the figure behind "why is bf16 slower".
+    bench_args = ["--device", device, "--out", str(out / "bench_gpu.json"), "--profile"]
     if on_gpu:
         demo_args += ["--steps", str(args.steps), "--val-tasks", "20"]
     else:

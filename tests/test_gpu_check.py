@@ -35,6 +35,14 @@ def test_the_whole_check_runs_on_a_cpu(tmp_path, capsys):
     assert "HFGenerator" in summary and "GRPO step" in summary
     report = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert {row["dtype"] for row in report["decode"]} == {"float32", "bfloat16"}
+    assert {row["method"] for row in report["decode"]} == {
+        "padded generate (baseline)",
+        "HFGenerator, growing cache",
+        "HFGenerator, fixed slots",
+    }
+    assert [found["dtype"] for found in report["profile"]] == ["float32", "bfloat16"]
+    assert all(found["launches"] > 0 for found in report["profile"])
+    assert "fixed slots" in summary and "launches" in summary
     # No library noise in what a user sees.
     captured = capsys.readouterr()
     assert "Writing model shards" not in captured.out + captured.err
