@@ -213,12 +213,30 @@ def profile_decode_step(model_dir: Path, device_spec: str, sizes: dict, pad_toke
         step_ms = sum(getattr(e, key) for e in kernels) / 1000
         top = sorted(kernels, key=lambda e: getattr(e, key), reverse=True)[:6]
         share = [(e.key[:60], e.count, round(getattr(e, key) / 1000, 3)) for e in top]
-        found.append(dict(dtype=dtype, launches=launches, busy_ms=step_ms, top=share))
+        counts = {e.key: e.count for e in kernels}
+        found.append(dict(dtype=dtype, launches=launches, busy_ms=step_ms, top=share, counts=counts))
         unit = "kernel launches" if device.type == "cuda" else "aten ops (nested ones included)"
         print(f"  {dtype:9} one decode step: {launches} {unit}, {step_ms:.2f} ms busy; top:", flush=True)
         for name, count, ms in share:
             print(f"      {ms:8.3f} ms  x{count:<4} {name}", flush=True)
+    extra = launch_differences(found[0]["counts"], found[1]["counts"])
+    if extra:
+        print(
+            f"  what {found[1]['dtype']} runs more or less often than {found[0]['dtype']} per step:",
+            flush=True,
+        )
+        for name, more in extra:
+            print(f"      {more:+6d}  {name[:80]}", flush=True)
     return found
+
+
+def launch_differences(first: dict[str, int], second: dict[str, int], top: int = 8) -> list[tuple[str, int]]:
+    """The kernels (or ops) whose count per step differs most between two profiles: ``(name,
+    second's count - first's)``. Casts that only the low precision needs show up here."""
+    names = set(first) | set(second)
+    differences = [(name, second.get(name, 0) - first.get(name, 0)) for name in names]
+    differences = [d for d in differences if d[1] != 0]
+    return sorted(differences, key=lambda d: (-abs(d[1]), d[0]))[:top]
 
 
 def grpo_steps(model_dir: Path, device_spec: str, sizes: dict) -> list[dict]:
