@@ -85,7 +85,9 @@ def test_a_trainer_refuses_a_model_on_another_device(tiny_model_and_tokenizer):
 # --- the importance ratio of fresh samples, per dtype ------------------------------------------
 
 
-def _fresh_samples(model, tokenizer, precision: Precision) -> list[TrainingSample]:
+def _fresh_samples(
+    model, tokenizer, precision: Precision, fixed_shape_decode: bool | None = None
+) -> list[TrainingSample]:
     """Sample replies with a generator holding the run's sampling copy of ``model``."""
     codec = make_codec(tokenizer)
     prompts = [
@@ -94,7 +96,11 @@ def _fresh_samples(model, tokenizer, precision: Precision) -> list[TrainingSampl
     ]
 
     async def sample_all():
-        generator = HFGenerator(sampling_copy(model, precision), pad_token_id=tokenizer.pad_token_id)
+        generator = HFGenerator(
+            sampling_copy(model, precision),
+            pad_token_id=tokenizer.pad_token_id,
+            fixed_shape_decode=fixed_shape_decode,
+        )
         async with generator:
             params = SamplingParams(temperature=1.0, max_tokens=24)
             return [await generator.sample(prompt, params) for prompt in prompts]
@@ -117,9 +123,11 @@ def _fresh_samples(model, tokenizer, precision: Precision) -> list[TrainingSampl
     ]
 
 
-def _check_ratio(model, tokenizer, dtype: str, tolerance: dict) -> None:
+def _check_ratio(
+    model, tokenizer, dtype: str, tolerance: dict, fixed_shape_decode: bool | None = None
+) -> None:
     precision = resolve_precision("cpu", dtype)
-    samples = _fresh_samples(model, tokenizer, precision)
+    samples = _fresh_samples(model, tokenizer, precision, fixed_shape_decode)
     trainer = PolicyTrainer(
         model, pad_token_id=tokenizer.pad_token_id, learning_rate=1e-3, precision=precision
     )
@@ -141,11 +149,14 @@ def _check_ratio(model, tokenizer, dtype: str, tolerance: dict) -> None:
     assert abs(float(log_ratio.mean())) < mean_bound / 2
 
 
+@pytest.mark.parametrize("fixed_shape_decode", [False, True], ids=["growing cache", "fixed-shape slots"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fresh_samples_have_importance_ratio_one_and_an_fp32_loss(tiny_model_and_tokenizer, sharpen, dtype):
+def test_fresh_samples_have_importance_ratio_one_and_an_fp32_loss(
+    tiny_model_and_tokenizer, sharpen, dtype, fixed_shape_decode
+):
     model, tokenizer = tiny_model_and_tokenizer
     # Peaked distributions, as a trained model's; its large weights make bf16 rounding worse.
-    _check_ratio(sharpen(model, seed=3), tokenizer, dtype, RATIO_TOLERANCE)
+    _check_ratio(sharpen(model, seed=3), tokenizer, dtype, RATIO_TOLERANCE, fixed_shape_decode)
 
 
 @pytest.mark.slow

@@ -131,6 +131,7 @@ class SlotDecodeBatch(DecodeBatch):
         self._additive_mask = model.config._attn_implementation == "eager"
         self._context_limit: int | None = getattr(model.config, "max_position_embeddings", None)
         self._slots: Cache | None = None
+        self._layer_shapes: list[tuple[int, int, torch.dtype]] = []  # (kv_heads, head_dim, dtype) per layer
         self._shape: StepShape | None = None
         self._columns_C = torch.zeros(0, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -160,15 +161,13 @@ class SlotDecodeBatch(DecodeBatch):
         capacity = max(self.columns, capacity_for(columns, self._context_limit))
         if slots == self.slots and capacity == self.columns:
             return
-        template = kv_cache.new_cache(self.model)
-        heads, dim = self._kv_shape()
         old = self._slots
         shape = StepShape(slots, self.device)
         layers = []
-        for index in range(len(template.layers)):
+        for index, (heads, dim, dtype) in enumerate(self._layer_shapes):
             pair = []
             for name in ("keys", "values"):
-                buffer = torch.zeros(slots, heads, capacity, dim, dtype=self._dtype(), device=self.device)
+                buffer = torch.zeros(slots, heads, capacity, dim, dtype=dtype, device=self.device)
                 if old is not None:
                     previous = getattr(old.layers[index], name)
                     buffer[: previous.shape[0], :, : previous.shape[2]] = previous
@@ -190,15 +189,6 @@ class SlotDecodeBatch(DecodeBatch):
             wanted = min(wanted, max(self._context_limit, row.position + 1))
         return wanted
 
-    def _kv_shape(self) -> tuple[int, int]:
-        config = self.model.config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return heads, dim
-
-    def _dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
     # ---- admission, steps, removal -----------------------------------------------------------
 
     def _join(
@@ -206,6 +196,10 @@ class SlotDecodeBatch(DecodeBatch):
     ) -> None:
         """Copy the prefilled rows into the slots after the live ones, their tokens at columns 0..n-1."""
         first = len(self.rows)
+        if not self._layer_shapes:  # read off what the model wrote, rather than guessed from its config
+            self._layer_shapes = [
+                (layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype) for layer in cache.layers
+            ]
         self._reserve(first + len(rows), max(map(self._columns_wanted, rows)))
         assert self._slots is not None
         # The columns of each row's real tokens, in order, then its padding (never read).
@@ -260,7 +254,7 @@ class SlotDecodeBatch(DecodeBatch):
     def clear(self) -> list[Row]:
         """Drop every row, the slots and the graphs (after an error, or on shutdown)."""
         removed = super().clear()
-        self._slots, self._shape, self._graph_pool = None, None, None
+        self._slots, self._shape, self._graph_pool, self._layer_shapes = None, None, None, []
         self._graphs.clear()
         self._columns_C = self._columns_C[:0]
         return removed
@@ -296,9 +290,10 @@ class SlotDecodeBatch(DecodeBatch):
         positions_S = self._shape.positions_S[:bucket]
         visible_SC = self._columns_C[None, :] <= positions_S[:, None]
         mask = visible_SC[:, None, None, :]
-        if self._additive_mask:  # eager attention adds its mask to the scores
-            mask = torch.zeros(mask.shape, dtype=self._dtype(), device=self.device).masked_fill(
-                ~mask, torch.finfo(self._dtype()).min
+        if self._additive_mask:  # eager attention adds its mask to the scores, in the keys' dtype
+            dtype = self._layer_shapes[0][2]
+            mask = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(
+                ~mask, torch.finfo(dtype).min
             )
         output = self.model(
             input_ids=self._shape.input_ids_S[:bucket, None],
