@@ -168,6 +168,7 @@ CONTRADICTIONS = [
     ({"learning_rate": float("nan")}, "learning_rate must be a finite number"),
     ({"learning_rate": "fast"}, "learning_rate must be a finite number"),
     ({"use_lora": "yes"}, "use_lora must be true or false"),
+    ({"cuda_graphs": "no"}, "cuda_graphs must be true or false"),
 ]
 
 

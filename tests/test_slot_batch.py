@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cookbook_lib.generators import HFGenerator, SamplingParams, slot_batch
+from cookbook_lib.generators import hf as hf_module
 from cookbook_lib.generators.batch import DecodeBatch, Request
 from cookbook_lib.generators.hf import fixed_shape_by_default
 from cookbook_lib.generators.slot_batch import (
@@ -259,3 +260,52 @@ def test_a_failed_capture_warns_once_and_decodes_eagerly(model, prompts, monkeyp
     warnings = [r for r in caplog.records if "capture" in r.getMessage()]
     assert len(warnings) == 1 and "not permitted" in warnings[0].getMessage()
     assert not generator._batch.use_cuda_graphs and generator._batch.num_graphs == 0
+
+
+@pytest.mark.parametrize(
+    ("cuda_graphs", "max_steps_off_policy"),
+    [(True, None), (True, 1), (False, None)],
+    ids=["lockstep on slots", "async on slots", "cuda_graphs=False"],
+)
+def test_grpo_runs_decode_on_slots_as_on_cuda_unless_the_config_says_not(
+    tiny_model_dir, tmp_path, monkeypatch, cuda_graphs, max_steps_off_policy
+):
+    """Whole runs on the slot path (picked as on CUDA): lockstep, whose generator samples the
+    trained model itself as the optimizer changes it in place, and async, whose weights are
+    copied in while rows are in flight; ``GRPOConfig.cuda_graphs=False`` keeps the growing cache."""
+    from cookbook_lib.envs import Task
+    from cookbook_lib.grpo import train as train_module
+    from cookbook_lib.grpo.config import GRPOConfig
+
+    monkeypatch.setattr(hf_module, "fixed_shape_by_default", lambda model, device: True)
+    built: list[bool] = []
+    make_generator = train_module.make_generator
+
+    def recording(*args, **kwargs):
+        generator = make_generator(*args, **kwargs)
+        built.append(generator.fixed_shape_decode)
+        return generator
+
+    monkeypatch.setattr(train_module, "make_generator", recording)
+    config = GRPOConfig(
+        model=tiny_model_dir,
+        batch_size=2,
+        episodes_per_task=3,
+        num_steps=3,
+        max_turns=1,
+        max_model_length=256,
+        max_tokens_per_turn=10,
+        micro_batch_tokens=512,
+        learning_rate=1e-3,
+        overlong_buffer_tokens=0,
+        checkpoint_interval=0,
+        runs_dir=str(tmp_path),
+        run_name="slots",
+        max_steps_off_policy=max_steps_off_policy,
+        cuda_graphs=cuda_graphs,
+    )
+    tasks = [Task(prompt=f"Say a word about {word}.", target=None) for word in ("cats", "rain", "tea")]
+    result = train_module.train_single_turn(config, tasks=tasks, reward_fn=lambda task, reply: len(reply) % 3)
+    assert built == [cuda_graphs]
+    assert max(m["step"] for m in result.metrics) == 3
+    assert any(m.get("trained_groups", 0) > 0 for m in result.metrics)

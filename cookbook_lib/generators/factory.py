@@ -26,6 +26,7 @@ def make_generator(
     step_callback: Callable[[StepInfo], None] | None = None,
     seed: int = 0,
     max_model_length: int | None = None,
+    cuda_graphs: bool = True,
 ) -> Generator:
     """A generator of ``backend`` that samples ``model``.
 
@@ -34,9 +35,15 @@ def make_generator(
     architecture, dtype and current weights (``VLLMGenerator.from_model``; the engine runs on
     the first visible GPU and keeps no reference to ``model``). ``seed`` and ``max_model_length``
     size and seed the vLLM engine; the ``hf`` backend draws its seeds from torch's global RNG.
+    ``cuda_graphs=False`` keeps the ``hf`` backend on its growing KV cache on CUDA as well.
     """
     if backend == "hf":
-        return HFGenerator(model, pad_token_id=tokenizer.pad_token_id, step_callback=step_callback)
+        return HFGenerator(
+            model,
+            pad_token_id=tokenizer.pad_token_id,
+            step_callback=step_callback,
+            fixed_shape_decode=None if cuda_graphs else False,
+        )
     if backend == "vllm":
         return VLLMGenerator.from_model(
             model, tokenizer, step_callback=step_callback, seed=seed, max_model_length=max_model_length

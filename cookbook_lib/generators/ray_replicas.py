@@ -142,7 +142,14 @@ def _gpu_index(device: torch.device) -> int:
 class _ReplicaActor:
     """The actor: an ``HFGenerator`` on this process's device, and the forward passes it recorded."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, threads: int | None, use_gpu: bool) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        threads: int | None,
+        use_gpu: bool,
+        cuda_graphs: bool = True,
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         from cookbook_lib.generators.hf import HFGenerator
@@ -150,7 +157,10 @@ class _ReplicaActor:
         self._steps: deque[StepInfo] = deque()  # appended by the worker thread, drained by replies
         device = "cuda" if use_gpu else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         self.generator = HFGenerator(
-            model.to(device).eval(), pad_token_id=pad_token_id, step_callback=self._steps.append
+            model.to(device).eval(),
+            pad_token_id=pad_token_id,
+            step_callback=self._steps.append,
+            fixed_shape_decode=None if cuda_graphs else False,
         )
 
     def _drain(self) -> list[StepInfo]:
@@ -189,6 +199,8 @@ class RayReplicaPool:
         trainer_gpu: the trainer's CUDA device on a GPU machine (None on a CPU): actors then get
             GPUs instead of CPU threads. A Ray started here gives them every visible GPU but this
             one, one each, when there are enough (``gpu_plan``); a joined cluster, one GPU each.
+        cuda_graphs: False keeps the actors' generators on the growing KV cache on a GPU too
+            (``GRPOConfig.cuda_graphs``).
     """
 
     def __init__(
@@ -200,6 +212,7 @@ class RayReplicaPool:
         address: str | None = None,
         cpus_per_replica: int = 1,
         trainer_gpu: torch.device | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.ray = import_ray()
         self.count = count
@@ -228,7 +241,7 @@ class RayReplicaPool:
             )
             self.actors = [
                 actor_class.options(name=name, max_restarts=0, **resources).remote(
-                    model_ref, pad_token_id, None if use_gpus else cpus_per_replica, use_gpus
+                    model_ref, pad_token_id, None if use_gpus else cpus_per_replica, use_gpus, cuda_graphs
                 )
                 for name in self.names
             ]

@@ -150,6 +150,11 @@ class GRPOConfig:
     """Who samples: ``hf`` (transformers, CPU or GPU) or ``vllm`` (an in-process vLLM engine sharing the
     GPU with training: ``pip install -e ".[vllm]"`` on a CUDA machine; see ``generators/vllm.py``).
     With ``use_lora`` vLLM receives the merged weights, as the ``hf`` backend does."""
+    cuda_graphs: bool = True
+    """With the ``hf`` backend on CUDA: decode in fixed-shape slots, each step replayed as a CUDA graph
+    (one launch instead of hundreds; ``generators/slot_batch.py``), for models with full attention
+    and ``sdpa`` or ``eager`` attention (others keep the growing cache). False keeps the growing KV
+    cache, as on a CPU: a way back if a model misbehaves under graphs. No effect on a CPU."""
     generator_placement: GeneratorPlacement = "local"
     """Where the replicas run: ``local`` (in this process, sharing its cores or device) or ``ray`` (one
     Ray actor per replica with its own model copy: one GPU each on a GPU machine, else

@@ -57,6 +57,7 @@ CHANGEABLE_ON_RESUME: tuple[str, ...] = (
     # activations instead of keeping them (the same gradients, less memory).
     "device",
     "generator_backend",
+    "cuda_graphs",  # the same decode step, recorded once or launched kernel by kernel
     # Where the replicas run (in this process or in Ray actors, same generator, same seeds).
     "generator_placement",
     "ray_address",

@@ -306,6 +306,7 @@ def _make_replicas(
             address=config.ray_address,
             cpus_per_replica=config.ray_cpus_per_replica,
             trainer_gpu=precision.device if precision.device.type == "cuda" else None,
+            cuda_graphs=config.cuda_graphs,
         )
         generators: list[Generator] = list(
             ray_pool.generators(
@@ -323,6 +324,7 @@ def _make_replicas(
                 step_callback=generator_step_recorder(timeline, replica_lane(i)),
                 seed=config.seed,
                 max_model_length=config.max_model_length,
+                cuda_graphs=config.cuda_graphs,
             )
             for i in range(config.num_generator_replicas)
         ]
