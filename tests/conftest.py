@@ -49,6 +49,13 @@ def sharp_model(tiny_model_and_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    """Four prompts of different lengths, for the generator tests."""
+    texts = ["Hi", "What is two plus two?", "Tell me a story about a dog and a ball, please.", "ok ok"]
+    return [tokenizer.encode(text) for text in texts]
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny random model saved like any local model, so configs can name it."""
     from cookbook_lib.models import tiny_random_model

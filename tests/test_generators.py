@@ -50,12 +50,6 @@ def model(sharp_model):
     return sharp_model
 
 
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    texts = ["Hi", "What is two plus two?", "Tell me a story about a dog and a ball, please.", "ok ok"]
-    return [tokenizer.encode(text) for text in texts]
-
-
 def run(coroutine):
     async def guarded():
         return await asyncio.wait_for(coroutine, TIMEOUT_S)

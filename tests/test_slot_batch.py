@@ -38,12 +38,6 @@ def model(sharp_model):
     return sharp_model
 
 
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    texts = ["Hi", "What is two plus two?", "Tell me a story about a dog and a ball, please.", "ok ok"]
-    return [tokenizer.encode(text) for text in texts]
-
-
 def sample_all(model, prompts, params=GREEDY, *, stagger: bool = False, **kwargs):
     """Samples every prompt concurrently (with ``stagger``, each request a little after the last,
     so rows join a running batch). Returns the results, the generator (closed by then) and the

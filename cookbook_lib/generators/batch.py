@@ -202,9 +202,7 @@ class DecodeBatch:
         """Take rows out of the batch (finished or cancelled), shrinking the cache to the rest."""
         if not indices:
             return []
-        gone = set(indices)
-        removed = [row for i, row in enumerate(self.rows) if i in gone]
-        keep = [i for i in range(len(self.rows)) if i not in gone]
+        removed, keep = self._partition(indices)
         if not keep:
             self.clear()
             return removed
@@ -216,6 +214,12 @@ class DecodeBatch:
         self._last_tokens_B = self._last_tokens_B[index]
         self._trim_padding()
         return removed
+
+    def _partition(self, indices: list[int]) -> tuple[list[Row], list[int]]:
+        """The rows at ``indices``, and the indices of the others, in order."""
+        gone = set(indices)
+        removed = [row for i, row in enumerate(self.rows) if i in gone]
+        return removed, [i for i in range(len(self.rows)) if i not in gone]
 
     def clear(self) -> list[Row]:
         """Drop every row and the cache (after an error, or on shutdown); returns the dropped rows."""

@@ -232,9 +232,7 @@ class SlotDecodeBatch(DecodeBatch):
         """Take rows out; the rows after them move down into the freed slots (the buffers stay)."""
         if not indices:
             return []
-        gone = set(indices)
-        removed = [row for i, row in enumerate(self.rows) if i in gone]
-        keep = [i for i in range(len(self.rows)) if i not in gone]
+        removed, keep = self._partition(indices)
         if keep != list(range(len(keep))):
             assert self._slots is not None
             index = torch.tensor(keep, device=self.device)
