@@ -103,10 +103,12 @@ def padded_generate(model, prompts: list[list[int]], new_tokens: int, pad_token_
 def hf_generator(
     model, prompts: list[list[int]], new_tokens: int, pad_token_id: int, *, fixed_shape: bool
 ) -> tuple[int, float]:
-    """``HFGenerator`` on all rows at once, warmed up on the same generator first: with fixed
-    slots, the warm-up captures the CUDA graphs of the buckets the timed run steps through."""
+    """``HFGenerator`` on all rows at once, after one untimed run of the same rows on the same
+    generator: with fixed slots, that run sizes the slots and captures the CUDA graphs of the
+    buckets the timed run steps through (a shorter warm-up would reserve fewer columns, and the
+    timed run would reallocate and capture again)."""
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
-    warm = SamplingParams(temperature=1.0, max_tokens=min(new_tokens, 8))
+    warm = params
 
     async def main() -> tuple[int, float]:
         async with HFGenerator(
