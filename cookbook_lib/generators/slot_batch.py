@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -47,7 +48,7 @@ MIN_BUCKET = 8  # the smallest number of slots a step runs over
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-def fixed_shape_decode_supported(model: PreTrainedModel) -> bool | str:
+def fixed_shape_decode_supported(model: PreTrainedModel) -> Literal[True] | str:
     """True when ``SlotDecodeBatch`` can decode ``model``, else the reason it cannot (a sentence)."""
     if not kv_cache.supports_reuse(model):
         return (
