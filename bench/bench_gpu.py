@@ -108,13 +108,12 @@ def hf_generator(
     buckets the timed run steps through (a shorter warm-up would reserve fewer columns, and the
     timed run would reallocate and capture again)."""
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
-    warm = params
 
     async def main() -> tuple[int, float]:
         async with HFGenerator(
             model, pad_token_id=pad_token_id, prefix_cache_entries=0, fixed_shape_decode=fixed_shape
         ) as generator:
-            await asyncio.gather(*(generator.sample(prompt, warm) for prompt in prompts))
+            await asyncio.gather(*(generator.sample(prompt, params) for prompt in prompts))
             synchronize(model.device)
             start = time.perf_counter()
             results = await asyncio.gather(*(generator.sample(prompt, params) for prompt in prompts))

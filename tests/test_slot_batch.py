@@ -23,7 +23,7 @@ from cookbook_lib.generators.hf import fixed_shape_by_default
 from cookbook_lib.generators.slot_batch import (
     SlotDecodeBatch,
     SlotLayer,
-    StepShape,
+    StaticInputs,
     bucket_for,
     capacity_for,
     fixed_shape_decode_supported,
@@ -93,7 +93,7 @@ def test_buckets_and_capacities():
 
 
 def test_slot_layer_writes_each_row_at_its_own_position():
-    shape = StepShape(slots=4, device=torch.device("cpu"))
+    shape = StaticInputs(slots=4, device=torch.device("cpu"))
     keys, values = torch.zeros(4, 2, 6, 3), torch.zeros(4, 2, 6, 3)
     layer = SlotLayer(keys, values, shape)
     shape.positions_S[:] = torch.tensor([0, 5, 2, 3])

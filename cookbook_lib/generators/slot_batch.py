@@ -15,11 +15,11 @@ positions, so it is part of the graph). Columns after a row's position hold stal
 mask hides.
 
 A step runs over a bucket of slots (8, 16, 32, 64, ...), the smallest holding every live row; the
-slots past the live rows compute garbage that nobody reads. One graph per bucket, captured on first use, all
-in one memory pool. Capacity is a power of two from ``MIN_CAPACITY`` columns, enough for every
-admitted row's prompt plus ``max_tokens`` (at most the model's context); a step that would write
-past it doubles it. Growing the slots or the columns reallocates the buffers and drops the graphs;
-the buffers stay between batches (for the next one), until ``clear``.
+slots past the live rows compute garbage that nobody reads. One graph per bucket, captured on
+first use, all in one memory pool. Capacity is a power of two from ``MIN_CAPACITY`` columns,
+enough for every admitted row's prompt plus ``max_tokens`` (at most the model's context); a step
+that would write past it doubles it. Growing the slots or the columns reallocates the buffers and
+drops the graphs; the buffers stay between batches (for the next one), until ``clear``.
 
 Prefill stays ``DecodeBatch``'s (one left-padded forward over a growing cache, its shapes vary
 anyway); admitted rows are then copied into their slots. On a CPU there are no graphs and this is
@@ -82,7 +82,7 @@ class SlotLayer(DynamicLayer):
     """One layer's slots: ``keys`` and ``values`` are the whole ``[slots, heads, capacity, dim]``
     buffers; ``update`` writes the step's keys at each row's position and returns the bucket's slots."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, step: StepShape) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, step: StaticInputs) -> None:
         super().__init__()
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.step = keys, values, step
@@ -99,9 +99,9 @@ class SlotLayer(DynamicLayer):
         return keys, values
 
 
-class StepShape:
-    """The static inputs of a step, shared by the batch and its layers: a graph reads these
-    tensors' memory, so they are written in place, never replaced."""
+class StaticInputs:
+    """The inputs of a step that a graph reads (token ids and positions, one per slot), shared by
+    the batch and its layers: they are written in place, never replaced."""
 
     def __init__(self, slots: int, device: torch.device) -> None:
         self.input_ids_S = torch.zeros(slots, dtype=torch.long, device=device)
@@ -133,7 +133,7 @@ class SlotDecodeBatch(DecodeBatch):
         self._context_limit: int | None = getattr(model.config, "max_position_embeddings", None)
         self._slots: Cache | None = None
         self._layer_shapes: list[tuple[int, int, torch.dtype]] = []  # (kv_heads, head_dim, dtype) per layer
-        self._shape: StepShape | None = None
+        self._shape: StaticInputs | None = None
         self._columns_C = torch.zeros(0, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
@@ -163,7 +163,7 @@ class SlotDecodeBatch(DecodeBatch):
         if slots == self.slots and capacity == self.columns:
             return
         old = self._slots
-        shape = StepShape(slots, self.device)
+        shape = StaticInputs(slots, self.device)
         layers = []
         for index, (heads, dim, dtype) in enumerate(self._layer_shapes):
             pair = []
