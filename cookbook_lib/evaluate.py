@@ -192,6 +192,7 @@ async def evaluate_async(
     runs_dir: str | Path = "runs",
     device: str = "auto",
     dtype: str = "auto",
+    enable_thinking: bool | None = None,
 ) -> EvalReport:
     """Score a model on an environment: ``episodes_per_task`` episodes of each task.
 
@@ -199,7 +200,9 @@ async def evaluate_async(
     ``device`` in the sampling dtype of the ``dtype`` policy (as ``GRPOConfig.device``/``dtype``:
     ``"auto"`` picks CUDA when present, and bf16 where the hardware has it); a loaded model is
     used where and as it is. Pass ``generator`` and ``codec`` to reuse a running generator
-    (validation during training does). Episodes are written to ``runs/<run_name>/episodes.jsonl``.
+    (validation during training does). ``enable_thinking`` switches reasoning in templates that
+    have the switch (as ``GRPOConfig.enable_thinking``; ignored when ``codec`` is given). Episodes
+    are written to ``runs/<run_name>/episodes.jsonl``.
     """
     sampling = sampling or SamplingParams()
     if sampling.seed is not None and episodes_per_task > 1:
@@ -213,6 +216,9 @@ async def evaluate_async(
     if generator is None or codec is None:
         if isinstance(model, str) or model is None:
             tokenizer = tokenizer or load_tokenizer(model)
+            # The template self-check, on the tokenizer alone: a template no codec serves fails
+            # before the model is loaded.
+            codec = codec or make_codec(tokenizer, enable_thinking=enable_thinking)
             if generator is None:
                 precision = check_precision(device, dtype)  # before loading: a bad device fails fast
                 model = load_model(model, device=precision.device, dtype=precision.sample_dtype)
@@ -222,7 +228,7 @@ async def evaluate_async(
             raise ValueError(
                 "pass the tokenizer along with a loaded model: evaluate(model, ..., tokenizer=...)"
             )
-        codec = codec or make_codec(tokenizer)
+        codec = codec or make_codec(tokenizer, enable_thinking=enable_thinking)
         if generator is None:
             generator = make_generator("hf", model, tokenizer)
     run_dir = Path(runs_dir) / (run_name or default_run_name("eval"))

@@ -83,7 +83,7 @@ class ModelPolicy(ContainedPolicy):
         self._last_prompt, self._last_sampled = prompt, turn.sampled_tokens
         # The env appends our message to its history; the messages after it are new next time.
         self._messages_rendered = len(messages) + 1
-        parsed = self.codec.parse(turn.sampled_tokens)
+        parsed = self.codec.parse(turn.sampled_tokens, tool_specs)
         if (
             result.finish_reason == "length"
             and len(prompt) + len(turn.sampled_tokens) >= self.max_model_length

@@ -199,7 +199,11 @@ def load_model(
 
 
 def tiny_random_model(
-    seed: int = 0, num_layers: int = 2, hidden_size: int = 64, embedding_scale: float = 1.0
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    embedding_scale: float = 1.0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A randomly initialised model with the default model's architecture and real tokenizer.
 
@@ -208,8 +212,11 @@ def tiny_random_model(
     distribution is almost uniform over 49k tokens (entropy ~10.8 nats); scaling the tied
     embeddings by ~10 makes it peaked like a trained model's (~3 nats), which learning tests need:
     a uniform policy samples every reply differently and no reward can tell them apart.
+
+    ``tokenizer`` (default: the embedded model's) sizes the vocabulary: pass another family's
+    tokenizer and chat template to run that family's codec end to end.
     """
-    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(DEFAULT_MODEL)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

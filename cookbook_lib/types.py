@@ -29,6 +29,9 @@ class Message(TypedDict):
     role: Role
     content: str
     tool_calls: NotRequired[list[ToolCall]]
+    # Set on assistant messages whose reply held reasoning (a <think> block, harmony's analysis
+    # channel): kept out of ``content``, so an env that scores the answer sees only the answer.
+    reasoning_content: NotRequired[str]
     # Set on ``role="tool"`` messages: which call this is the answer to, and the tool's name.
     tool_call_id: NotRequired[str]
     name: NotRequired[str]

@@ -13,7 +13,7 @@ VS Code and a widget, with no stylesheet to load.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 
 import ipywidgets as widgets
@@ -73,6 +73,13 @@ def _message_html(message: Message, note: str = "") -> str:
         label += f' · <i style="color:#d62728">{escape(note)}</i>'
     parts = [f'<div class="msg msg-{escape(role)}" style="padding:6px 10px;margin:6px 0;{style}">']
     parts.append(f'<div style="font-size:11px;color:#555">{label}</div>')
+    reasoning = message.get("reasoning_content")
+    if reasoning:
+        # Sampled and trained like the answer, but not what the env scores: folded away.
+        parts.append(
+            f'<details class="reasoning"><summary style="font-size:11px;color:#777">reasoning</summary>'
+            f'<pre style="{_PRE};color:#666">{escape(str(reasoning))}</pre></details>'
+        )
     calls = message.get("tool_calls") or []
     if content or not calls:
         parts.append(f'<pre style="{_PRE}">{escape(content) if content else "<i>(empty reply)</i>"}</pre>')
@@ -198,6 +205,16 @@ def tokens_html(episode: Episode, tokenizer: PreTrainedTokenizerBase) -> str:
         parts.append("</div></div>")
     parts.append("</div>")
     return "".join(parts)
+
+
+def side_by_side_html(texts: Mapping[str, str]) -> str:
+    """Texts in columns under their titles (e.g. one conversation as two chat templates write it)."""
+    columns = "".join(
+        f'<div style="flex:1;min-width:0"><b>{escape(title)}</b><pre style="{_PRE};background:#f6f6f6;'
+        f'padding:6px;font-size:11px">{escape(text)}</pre></div>'
+        for title, text in texts.items()
+    )
+    return f'<div class="side-by-side" style="display:flex;gap:12px">{columns}</div>'
 
 
 def episode_label(index: int, episode: Episode) -> str:

@@ -21,9 +21,11 @@ HUB_FOR_NEWEST=2.4.0
 
 # Fast and enough to catch a transformers API change on our paths: cache handling in the generator
 # (test_generators.py over both decode paths, and test_slot_batch.py; the tests not marked slow),
+# every model family's chat template through its codec (apply_chat_template's jinja environment),
 # episodes through it, one GRPO step end to end.
 LANE_TESTS=(
   tests/test_transformers_range.py
+  tests/test_codec_families.py
   tests/test_generators.py
   tests/test_slot_batch.py
   tests/test_model_rollout.py

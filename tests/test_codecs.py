@@ -64,7 +64,9 @@ QWEN3_LIKE_TEMPLATE = r"""
   {%- elif m.role == 'assistant' %}
     {%- set content = m.content %}
     {%- set think = '' %}
-    {%- if '</think>' in content %}
+    {%- if m.reasoning_content is string %}
+      {%- set think = m.reasoning_content %}
+    {%- elif '</think>' in content %}
       {%- set think = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
       {%- set content = content.split('</think>')[-1].lstrip('\n') %}
     {%- endif %}
@@ -164,7 +166,13 @@ def test_make_codec_picks_by_template(tokenizer, qwen_tokenizer):
         ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}", "neither"),
         (
             "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}",
-            "not as",
+            "neither renders assistant tool calls",
+        ),
+        (  # writes calls, but in a form no format reads: refused with what it wrote and the known families
+            "{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}"
+            "CALL {{ c.function.name }}"
+            "({{ c.function.arguments | tojson }}){% endfor %}<|im_end|>{% endfor %}",
+            r"writes tool calls as 'CALL lookup\(.*Known families: .*gpt-oss",
         ),
     ],
 )

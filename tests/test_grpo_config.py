@@ -169,6 +169,9 @@ CONTRADICTIONS = [
     ({"learning_rate": "fast"}, "learning_rate must be a finite number"),
     ({"use_lora": "yes"}, "use_lora must be true or false"),
     ({"cuda_graphs": "no"}, "cuda_graphs must be true or false"),
+    ({"enable_thinking": "off"}, "enable_thinking must be true, false or None"),
+    ({"chat_template_kwargs": ["reasoning_effort"]}, "chat_template_kwargs must be a mapping"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "set GRPOConfig.enable_thinking instead"),
 ]
 
 

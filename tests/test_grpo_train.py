@@ -98,6 +98,19 @@ def test_bad_config_fails_before_any_model_loads(tiny_model_dir, tmp_path, monke
         train_multi_turn(tiny_config(tiny_model_dir, tmp_path), tasks=[], env_factory=lambda t: None)
 
 
+def test_a_chat_template_the_run_cannot_use_fails_before_a_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """The template self-check runs on the tokenizer alone: here the embedded model's template has
+    no thinking switch, so asking for one stops the run before any weights are read."""
+    from cookbook_lib.codecs import UnsupportedChatTemplateError
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the chat template was checked")
+
+    monkeypatch.setattr("cookbook_lib.grpo.train.load_model", no_loading)
+    with pytest.raises(UnsupportedChatTemplateError, match="no enable_thinking switch"):
+        run_single_turn(tiny_config(tiny_model_dir, tmp_path, enable_thinking=False))
+
+
 def test_an_interrupted_run_resumes_without_duplicating_or_losing_steps(tiny_model_dir, tmp_path):
     config = tiny_config(tiny_model_dir, tmp_path, num_steps=3, checkpoint_interval=1, validation_interval=0)
 

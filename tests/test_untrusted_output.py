@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cookbook_lib.codecs import Codec, ParseResult, make_codec
-from cookbook_lib.codecs.hermes import MAX_REPLY_CHARS, ToolCallFormatError, split_reply
+from cookbook_lib.codecs.hermes import split_reply
+from cookbook_lib.codecs.reply import MAX_REPLY_CHARS, ToolCallFormatError
 from cookbook_lib.envs import TOOL_ERROR_PREFIX, Task
 from cookbook_lib.episode import EndCause
 from cookbook_lib.generators import Generator, SampleResult, SamplingParams

@@ -209,3 +209,24 @@ def test_episode_viewer_without_tokenizer_shows_messages_only():
     assert viewer.children[1] is viewer.messages_pane
     with pytest.raises(ValueError, match="at least one episode"):
         EpisodeViewer([])
+
+
+def test_reasoning_is_shown_folded_apart_from_the_answer():
+    reply = Message(role="assistant", content="42", reasoning_content="6 <times> 7")
+    episode = Episode(
+        task=Task(prompt="q", target=42),
+        messages=[Message(role="user", content="q"), reply],
+        reward=1.0,
+        end_cause=EndCause.TERMINATED,
+        num_turns=1,
+    )
+    html = episode_html(episode)
+    assert '<details class="reasoning">' in html and "6 &lt;times&gt; 7" in html
+    assert html.index("6 &lt;times&gt; 7") < html.index(">42</pre>")
+
+
+def test_side_by_side_puts_each_text_in_its_own_escaped_column():
+    from cookbook_lib.viewer import side_by_side_html
+
+    html = side_by_side_html({"Qwen3.6": "<|im_start|>user", "gpt-oss": "<|start|>user"})
+    assert html.count("<pre") == 2 and "&lt;|im_start|&gt;user" in html and "<b>gpt-oss</b>" in html

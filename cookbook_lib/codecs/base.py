@@ -20,7 +20,7 @@ continues what the model saw into what the template would show it, and the codec
 ``Continuation.restarted`` is True and ``tokens`` is a full fresh prompt. The rollout starts a new
 training sample there instead of training on a sequence the model was never shown.
 
-Parsing reads the Hermes/Qwen tool-call form (see :mod:`cookbook_lib.codecs.hermes`).
+Parsing is the reply format's (see :mod:`cookbook_lib.codecs.reply`): one per model family.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from cookbook_lib.codecs import hermes
+from cookbook_lib.codecs.reply import ParsedReply, ReplyFormat, ToolCallFormatError, check_call_count
 from cookbook_lib.types import Message, ToolSpec, make_tool_call
 
 logger = logging.getLogger(__name__)
@@ -77,30 +77,45 @@ class Continuation:
 class Codec(abc.ABC):
     """Renders conversations for one tokenizer and parses what its model samples.
 
-    Subclasses say how a turn ends (``turn_closing``: the text a full render puts right after an
-    assistant reply); from it the codec knows its end-of-turn token, its stop tokens and how to
-    close a turn, so these cannot disagree.
+    Subclasses say how a turn ends (``turn_closing``: the text a full render puts right after a
+    plain assistant reply) and in which format replies are written (``reply_format``); from these
+    the codec knows its end-of-turn token, its stop tokens and how to close a turn, so they cannot
+    disagree. A format may add stops of its own (gpt-oss's ``<|call|>``), and a template may have
+    no closing at all when the format's stops open the next turn (GLM).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, turn_closing: str) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, turn_closing: str, reply_format: ReplyFormat
+    ) -> None:
         self.tokenizer = tokenizer
+        self.reply_format = reply_format
         self._closing_ids = self._encode(turn_closing)
+        self.extra_stop_ids: list[int] = [self._single_added_token(text) for text in reply_format.extra_stops]
         end_of_turn = self._closing_ids[0] if self._closing_ids else None
-        if (
-            end_of_turn is None
-            or tokenizer.convert_ids_to_tokens(end_of_turn) not in tokenizer.get_added_vocab()
-        ):
+        if end_of_turn is not None and not self._is_added(end_of_turn):
             raise UnsupportedChatTemplateError(
                 f"the chat template closes an assistant turn with {turn_closing!r}, which does not start "
                 "with a single added token (like <|im_end|>) that sampling could stop on"
             )
-        self.end_of_turn_id: int = end_of_turn
+        if end_of_turn is None and not (reply_format.stops_open_next_turn and self.extra_stop_ids):
+            raise UnsupportedChatTemplateError(
+                "the chat template writes nothing after an assistant reply, so no token could end a turn "
+                f"(the {reply_format.name} format has no stop tokens of its own)"
+            )
+        self.end_of_turn_id: int | None = end_of_turn
         eos = tokenizer.eos_token_id
-        # What ends an assistant turn when sampling: the end-of-turn token, and eos if different
-        # (base models trained on documents may end a reply with it).
-        self.stop_token_ids: list[int] = [end_of_turn] + (
-            [eos] if eos is not None and eos != end_of_turn else []
+        # What ends an assistant turn when sampling: the end-of-turn token, the format's own stops,
+        # and eos if different (base models trained on documents may end a reply with it).
+        turn_stops = ([end_of_turn] if end_of_turn is not None else []) + self.extra_stop_ids
+        self.stop_token_ids: list[int] = list(
+            dict.fromkeys([*turn_stops, *([eos] if eos is not None else [])])
         )
+        self._turn_stop_ids = frozenset(turn_stops)
+        # Whether the generation prompt opens a reasoning block (Qwen3.6's ends with "<think>\n"):
+        # the reply then starts inside it. Subclasses that render with a template find out.
+        self.prompt_opens_reasoning = False
+        # Whether it ends with an empty, closed block instead (thinking switched off).
+        self.prompt_closes_reasoning = False
         self._call_numbers = itertools.count()
 
     @abc.abstractmethod
@@ -134,54 +149,107 @@ class Codec(abc.ABC):
         """Tokens that close the assistant turn after ``sampled_tokens``, as a full render closes it.
 
         Not sampled, so not trained. When sampling stopped on the end-of-turn token the rest of the
-        closing (``"\\n"`` for ChatML) is added; otherwise (stopped by length, or by an eos that is
-        not the end-of-turn token) the whole closing is.
+        closing (``"\\n"`` for ChatML) is added; when it stopped on one of the format's own stops
+        (``<|call|>``, ``<|observation|>``) that token closes the turn and nothing is added;
+        otherwise (stopped by length, or by an eos that is not the end-of-turn token) the whole
+        closing is.
         """
-        if sampled_tokens and sampled_tokens[-1] == self.end_of_turn_id:
+        last = sampled_tokens[-1] if sampled_tokens else None
+        if last is not None and last == self.end_of_turn_id:
             return list(self._closing_ids[1:])
+        if last is not None and last in self.extra_stop_ids:
+            return []
         return list(self._closing_ids)
 
-    def parse(self, sampled_tokens: Sequence[int]) -> ParseResult:
-        """Read a sampled reply: an assistant Message with content and, if any, tool calls.
+    @property
+    def can_reason(self) -> bool:
+        """Whether a reply can hold reasoning: the format reads it and the prompt does not close it."""
+        return self.reply_format.has_reasoning and not self.prompt_closes_reasoning
 
-        Tool calls get fresh ids ``call_<n>`` (unique for this codec) and their arguments as a JSON
-        string. A reply without ``<tool_call>`` is a plain final answer. Malformed tool calls give
-        ``message=None`` and the reason in ``error``; the rollout ends the episode as PARSE_FAILURE.
+    def stopped_on_turn_stop(self, sampled_tokens: Sequence[int]) -> bool:
+        """Whether the reply ended with a token that ends a turn (not eos, not the length limit)."""
+        return bool(sampled_tokens) and sampled_tokens[-1] in self._turn_stop_ids
+
+    def parse(self, sampled_tokens: Sequence[int], tool_specs: Sequence[ToolSpec] = ()) -> ParseResult:
+        """Read a sampled reply: an assistant Message with content, reasoning and tool calls.
+
+        Reasoning (a ``<think>`` block, harmony's analysis channel, Gemma's thought channel) goes
+        to ``reasoning_content``, so ``content`` holds only the answer. Tool calls get fresh ids
+        ``call_<n>`` (unique for this codec) and their arguments as a JSON string; ``tool_specs``
+        type the parameter values of formats that write them as text (Qwen3.5+'s XML, GLM). A
+        reply without a tool call is a plain final answer. A malformed reply, or one the template
+        could not render back, gives ``message=None`` and the reason in ``error``; the rollout
+        ends the episode as PARSE_FAILURE.
 
         Never raises: sampled tokens are untrusted input, and one degenerate reply must end one
         episode, not the run. Arguments are plain JSON values (see :mod:`cookbook_lib.plain_json`);
         special tokens in the middle of a reply are kept in its text like any other token; a reply
-        longer than :data:`hermes.MAX_REPLY_CHARS` characters is a failure without being scanned.
+        longer than :data:`reply.MAX_REPLY_CHARS` characters is a failure without being scanned.
         """
         tokens = list(sampled_tokens)
         if tokens and tokens[-1] in self.stop_token_ids:
             tokens.pop()
         try:
-            # No "clean-up" of spaces: the text must be exactly what the tokens say (some saved
-            # tokenizers ask for it; transformers then logs a warning for BPE and skips it anyway).
-            text = self.tokenizer.decode(
-                tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
+            text = self.decode_text(tokens)
         except Exception as exc:  # ids outside the vocabulary (negative, too large)
             return ParseResult(
                 message=None, error=f"the sampled token ids cannot be decoded: {exc!r}", text=""
             )
         try:
-            content, calls = hermes.split_reply(text)
-            arguments = [json.dumps(args, ensure_ascii=False, allow_nan=False) for _, args in calls]
-        except hermes.ToolCallFormatError as exc:
+            reply = self.reply_format.parse(text, tool_specs, in_reasoning=self.prompt_opens_reasoning)
+            check_call_count(reply.calls, self.reply_format.max_calls, self.reply_format.families)
+            arguments = [json.dumps(args, ensure_ascii=False, allow_nan=False) for _, args in reply.calls]
+        except ToolCallFormatError as exc:
             return ParseResult(message=None, error=str(exc), text=text)
         except Exception as exc:
             # The parser's own bug, not the model's: still one failed reply, never a failed run.
             logger.exception("the reply parser raised on a sampled reply; it is counted as a parse failure")
             return ParseResult(message=None, error=f"the parser failed on this reply: {exc!r}", text=text)
-        message = Message(role="assistant", content=content)
-        if calls:
+        message = Message(role="assistant", content=reply.content)
+        if reply.reasoning is not None:
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
             message["tool_calls"] = [
-                make_tool_call(f"call_{next(self._call_numbers)}", name, encoded)
-                for (name, _), encoded in zip(calls, arguments, strict=True)
+                make_tool_call(call_id, name, encoded)
+                for call_id, (name, _), encoded in zip(
+                    self.call_ids(reply), reply.calls, arguments, strict=True
+                )
             ]
+        refusal = self.unrenderable(message)
+        if refusal is not None:
+            return ParseResult(message=None, error=refusal, text=text)
         return ParseResult(message=message, error=None, text=text)
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        """The text of sampled tokens, special tokens kept as the text they stand for."""
+        # No "clean-up" of spaces: the text must be exactly what the tokens say (some saved
+        # tokenizers ask for it; transformers then logs a warning for BPE and skips it anyway).
+        return self.tokenizer.decode(
+            list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def call_ids(self, reply: ParsedReply) -> list[str]:
+        """Ids for a parsed reply's calls: fresh ``call_<n>``, unique for this codec. A format whose
+        replies carry their own ids (Mistral's) keeps them."""
+        return [f"call_{next(self._call_numbers)}" for _ in reply.calls]
+
+    def unrenderable(self, message: Message) -> str | None:
+        """Why the template cannot render ``message`` back, or None. Codecs that render with a
+        template check; a reply it would refuse (Llama's two calls) is a parse failure, not an
+        error in the next render."""
+        return None
+
+    def _is_added(self, token_id: int) -> bool:
+        return self.tokenizer.convert_ids_to_tokens(token_id) in self.tokenizer.get_added_vocab()
+
+    def _single_added_token(self, text: str) -> int:
+        ids = self._encode(text)
+        if len(ids) != 1 or not self._is_added(ids[0]):
+            raise UnsupportedChatTemplateError(
+                f"{text} is not a single added token in this tokenizer; the {self.reply_format.name} format "
+                "stops on it"
+            )
+        return ids[0]
 
     def _encode(self, text: str) -> list[int]:
         # Chat templates write their own special tokens; the tokenizer must add none (no BOS).

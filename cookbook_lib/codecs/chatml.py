@@ -47,7 +47,7 @@ class ChatMLHermesCodec(Codec):
         for marker in (IM_START, IM_END):
             if len(tokenizer.encode(marker, add_special_tokens=False)) != 1:
                 raise UnsupportedChatTemplateError(f"{marker} is not a single token in this tokenizer")
-        super().__init__(tokenizer, turn_closing=f"{IM_END}\n")
+        super().__init__(tokenizer, turn_closing=f"{IM_END}\n", reply_format=hermes.HermesFormat())
         self.default_system_prompt: str | None = _default_system_prompt(tokenizer)
         self._check_matches_template()
 

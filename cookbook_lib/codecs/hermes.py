@@ -17,7 +17,8 @@ because a lenient parser would reward malformed calls the next tool-calling stac
 A reply is untrusted input, so the parser never raises anything but :class:`ToolCallFormatError`,
 whatever the text: the JSON is read by :func:`cookbook_lib.plain_json.loads_plain_json` (bounded
 nesting and number size, no ``NaN``/``Infinity``, no unpaired surrogates), and a reply longer than
-:data:`MAX_REPLY_CHARS` is refused before it is scanned, so one parse takes bounded time.
+:data:`~cookbook_lib.codecs.reply.MAX_REPLY_CHARS` is refused before it is scanned, so one parse
+takes bounded time.
 
 Nothing here knows about tokens; the codecs in this package add the tokenizer.
 """
@@ -28,14 +29,22 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from cookbook_lib.plain_json import MAX_JSON_CHARS, PlainJSONError, loads_plain_json
+from cookbook_lib.codecs.reply import (
+    ParsedReply,
+    ReasoningTags,
+    ReplyFormat,
+    ToolCallFormatError,
+    check_reply_length,
+    join_content,
+    json_type,
+    read_json,
+    split_blocks,
+)
+from cookbook_lib.plain_json import PlainJSONError, loads_plain_json
 from cookbook_lib.types import Message, ToolCall, ToolSpec
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-# Longest reply text parsed (about 50k tokens of ordinary text, far above any per-turn sampling
-# budget): every step of the parser is linear in it, so this bounds the time of one parse.
-MAX_REPLY_CHARS = MAX_JSON_CHARS
 
 # The wording follows Qwen2.5's template, which many open models were trained on, plus one line
 # saying where results come back (our ChatML rendering puts them in ``tool`` turns).
@@ -56,10 +65,6 @@ _TOOLS_OUTRO = (
 )
 
 
-class ToolCallFormatError(ValueError):
-    """A reply whose tool calls do not follow the format; the message says what is wrong."""
-
-
 def tools_system_prompt(tool_specs: Sequence[ToolSpec]) -> str:
     """The block describing ``tool_specs`` that goes at the end of the system message."""
     lines = "".join("\n" + json.dumps(spec, ensure_ascii=False) for spec in tool_specs)
@@ -77,7 +82,7 @@ def arguments_object(call: ToolCall) -> dict[str, Any]:
     except PlainJSONError as exc:
         raise ValueError(f"tool call {name!r}: {exc}") from exc
     if not isinstance(arguments, dict):
-        raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {_json_type(arguments)}")
+        raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {json_type(arguments)}")
     return arguments
 
 
@@ -100,58 +105,20 @@ def split_reply(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
     The content is the text outside the ``<tool_call>`` blocks, each piece stripped, joined by
     newlines. Raises :class:`ToolCallFormatError` for an unclosed or nested block, a stray
     closing tag, a block whose JSON is not exactly ``{"name": ..., "arguments": {...}}`` or not
-    plain JSON, and a reply longer than :data:`MAX_REPLY_CHARS`.
+    plain JSON, and a reply longer than :data:`~cookbook_lib.codecs.reply.MAX_REPLY_CHARS`.
     """
-    if len(text) > MAX_REPLY_CHARS:
-        raise ToolCallFormatError(
-            f"the reply is {len(text)} characters long; at most {MAX_REPLY_CHARS} are parsed (a runaway "
-            "reply: lower max_tokens_per_turn if replies this long are expected to be cut)"
-        )
-    pieces: list[str] = []
-    calls: list[tuple[str, dict[str, Any]]] = []
-    position = 0
-    while True:
-        open_at = text.find(TOOL_CALL_OPEN, position)
-        close_at = text.find(TOOL_CALL_CLOSE, position)
-        if close_at != -1 and (open_at == -1 or close_at < open_at):
-            raise ToolCallFormatError(
-                f"stray {TOOL_CALL_CLOSE} at character {close_at} with no {TOOL_CALL_OPEN} before it"
-            )
-        if open_at == -1:
-            pieces.append(text[position:])
-            break
-        pieces.append(text[position:open_at])
-        body_start = open_at + len(TOOL_CALL_OPEN)
-        close_at = text.find(TOOL_CALL_CLOSE, body_start)
-        if close_at == -1:
-            raise ToolCallFormatError(
-                f"unclosed {TOOL_CALL_OPEN} at character {open_at}: no {TOOL_CALL_CLOSE} follows it"
-            )
-        body = text[body_start:close_at]
-        if TOOL_CALL_OPEN in body:
-            raise ToolCallFormatError(
-                f"{TOOL_CALL_OPEN} at character {open_at} is not closed before the next {TOOL_CALL_OPEN}"
-            )
-        calls.append(_decode_call(body, number=len(calls) + 1))
-        position = close_at + len(TOOL_CALL_CLOSE)
-    content = "\n".join(piece.strip() for piece in pieces if piece.strip())
-    return content, calls
+    check_reply_length(text)
+    pieces, bodies = split_blocks(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    calls = [_decode_call(body, number=number) for number, body in enumerate(bodies, start=1)]
+    return join_content(pieces), calls
 
 
 def _decode_call(body: str, number: int) -> tuple[str, dict[str, Any]]:
     where = f"tool call {number}"
-    try:
-        payload = loads_plain_json(body)
-    except json.JSONDecodeError as exc:
-        snippet = body.strip()[:200]
-        raise ToolCallFormatError(
-            f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): {snippet!r}"
-        ) from None
-    except PlainJSONError as exc:
-        raise ToolCallFormatError(f"{where} is not plain JSON: {exc}") from None
+    payload = read_json(body, where)
     if not isinstance(payload, dict):
         raise ToolCallFormatError(
-            f'{where} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_type(payload)}'
+            f'{where} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {json_type(payload)}'
         )
     unexpected = sorted(set(payload) - {"name", "arguments"})
     if unexpected:
@@ -162,22 +129,37 @@ def _decode_call(body: str, number: int) -> tuple[str, dict[str, Any]]:
         raise ToolCallFormatError(f'{where} has no "name"')
     name = payload["name"]
     if not isinstance(name, str) or not name.strip():
-        got = "a blank string" if isinstance(name, str) else _json_type(name)
+        got = "a blank string" if isinstance(name, str) else json_type(name)
         raise ToolCallFormatError(f'{where}: "name" must be a non-empty string, got {got}')
     if "arguments" not in payload:
         raise ToolCallFormatError(f'{where} ({name}) has no "arguments" (use {{}} for none)')
     arguments = payload["arguments"]
     if not isinstance(arguments, dict):
         raise ToolCallFormatError(
-            f'{where} ({name}): "arguments" must be a JSON object, got {_json_type(arguments)}'
+            f'{where} ({name}): "arguments" must be a JSON object, got {json_type(arguments)}'
         )
     return name, arguments
 
 
-def _json_type(value: object) -> str:
-    if isinstance(value, bool):
-        return "a JSON boolean"
-    if isinstance(value, str):
-        return "a JSON string"
-    names = {dict: "a JSON object", list: "a JSON array", int: "a JSON number", float: "a JSON number"}
-    return "JSON null" if value is None else names.get(type(value), type(value).__name__)
+class HermesFormat(ReplyFormat):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the content, and a
+    ``<think>`` block first where the template renders reasoning (Qwen3)."""
+
+    name = "hermes-json"
+    families = "Qwen2.5, Qwen3, Qwen3-2507, Hermes and other templates writing JSON in <tool_call> blocks"
+
+    def __init__(self, reasoning: ReasoningTags | None = None) -> None:
+        self.reasoning_tags = reasoning
+
+    @classmethod
+    def writes(cls, rendered_call: str) -> bool:
+        at = rendered_call.find(TOOL_CALL_OPEN)
+        return at != -1 and rendered_call[at + len(TOOL_CALL_OPEN) :].lstrip().startswith("{")
+
+    def parse(self, text: str, tool_specs: Sequence[ToolSpec], *, in_reasoning: bool = False) -> ParsedReply:
+        check_reply_length(text)
+        reasoning = None
+        if self.reasoning_tags is not None:
+            reasoning, text = self.reasoning_tags.split(text, in_reasoning=in_reasoning)
+        content, calls = split_reply(text)
+        return ParsedReply(content=content, calls=calls, reasoning=reasoning)

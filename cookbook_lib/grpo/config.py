@@ -202,6 +202,15 @@ class GRPOConfig:
     """Sampling temperature; must be > 0: greedy groups are identical and carry no signal."""
     top_p: float = 1.0
     """Nucleus sampling; 1 = the full distribution, which the importance ratio assumes."""
+    enable_thinking: bool | None = None
+    """Reasoning on (True) or off (False) in chat templates that have the switch (Qwen3, Qwen3.5+,
+    GLM, Gemma 4: ``enable_thinking``), passed to every render; None keeps the template's default.
+    Refused for templates without it. Reasoning is sampled and trained like any other token, and
+    kept out of the answer the env scores (``Message["reasoning_content"]``)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Other variables of the model's chat template, passed to every render, e.g. gpt-oss's
+    ``{"reasoning_effort": "low"}`` or Qwen3.8's ``{"preserve_thinking": False}``. None = none.
+    Use ``enable_thinking`` for the thinking switch."""
     # --- LoRA (when use_lora) ----------------------------------------------------------------
     lora_rank: int = 16
     """Rank of the LoRA adapters."""
@@ -397,6 +406,17 @@ def _type_problems(c: GRPOConfig) -> list[str]:
     if not (c.ray_address is None or (isinstance(c.ray_address, str) and c.ray_address)):
         out.append(
             f"ray_address must be a Ray address such as 'ray://host:10001', or None, got {c.ray_address!r}"
+        )
+    kwargs = c.chat_template_kwargs
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        out.append(
+            f"chat_template_kwargs must be a mapping of variable names to values, or None, got {kwargs!r}"
+        )
+    elif kwargs and "enable_thinking" in kwargs:
+        out.append("chat_template_kwargs holds enable_thinking; set GRPOConfig.enable_thinking instead")
+    if c.enable_thinking is not None and not isinstance(c.enable_thinking, bool):
+        out.append(
+            f"enable_thinking must be true, false or None (the template's default), got {c.enable_thinking!r}"
         )
     if not (c.wandb_project is None or isinstance(c.wandb_project, str)):
         out.append(f"wandb_project must be a string or None, got {c.wandb_project!r}")

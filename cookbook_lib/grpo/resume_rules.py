@@ -80,6 +80,8 @@ FIXED_ON_RESUME: tuple[str, ...] = (
     "max_turns",
     "max_model_length",
     "max_tokens_per_turn",
+    "enable_thinking",  # what the prompts say, so what is sampled
+    "chat_template_kwargs",
     "temperature",
     "top_p",
     "max_sampling_attempts",

@@ -154,7 +154,11 @@ async def _train(
     record_config(run_dir, config, checkpoint_step(checkpoint) if checkpoint is not None else 0)
     _seed_everything(config.seed)
     tokenizer = load_tokenizer(config.model)
-    codec = make_codec(tokenizer)
+    # The template self-check runs here, on the tokenizer alone: a template no codec serves
+    # fails before any model is loaded.
+    codec = make_codec(
+        tokenizer, enable_thinking=config.enable_thinking, template_kwargs=config.chat_template_kwargs
+    )
     warm_dir = run_dir / WARM_START_DIR
     # The trained weights: float32 on the run's device, whatever the precision policy.
     source = str(warm_dir) if warm_dir.is_dir() else config.model
