@@ -58,13 +58,13 @@ from typing import get_args
 
 import torch
 
+from cookbook_lib.display.length_mix_plots import length_mix_figure
+from cookbook_lib.display.timeline_plots import idle_summary, timeline_figure
 from cookbook_lib.envs import Env, StepResult, Task
 from cookbook_lib.grpo.config import GRPOConfig, StaleGroups
 from cookbook_lib.grpo.length_mix import length_mix_summary
 from cookbook_lib.grpo.train import TIMELINE_FILE, train_multi_turn
-from cookbook_lib.length_mix_plots import length_mix_figure
-from cookbook_lib.timeline import Timeline
-from cookbook_lib.timeline_plots import idle_summary, timeline_figure
+from cookbook_lib.runtime.timeline import Timeline
 from cookbook_lib.types import Message, ToolSpec
 
 TOPICS = [

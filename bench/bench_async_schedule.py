@@ -6,7 +6,7 @@
 
 ``bench_async.py`` measures the real thing, but its wall-time ratio needs free cores: sampling and
 training share them, and other jobs on the machine change both. This bench runs the real
-scheduling code (``lockstep_step``, ``RolloutCollector``, ``AsyncGRPO``, ``GeneratorReplicas`` and
+scheduling code (``make_loop``'s lockstep and async loops, ``GeneratorReplicas`` and
 its weight-sync modes, ``run_group``, the codec, ``build_samples``) on ``bench_async.py``'s
 workload (1/2/4/8-reply tasks, a review tool per reply) with the model replaced by a cost model
 that *sleeps*: a generator that batches requests like ``HFGenerator`` (each decode step takes
@@ -41,17 +41,17 @@ import torch
 # bench_async.py is beside this file: Python puts a script's folder on sys.path.
 from bench_async import ReviewedRepliesEnv, bench_tasks
 
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.envs import Task
 from cookbook_lib.generators import Generator, GeneratorClosedError, SampleResult, SamplingParams
-from cookbook_lib.grpo.async_loop import AsyncGRPO, RolloutCollector
 from cookbook_lib.grpo.config import GRPOConfig, StaleGroups
 from cookbook_lib.grpo.length_mix import length_mix_summary
-from cookbook_lib.grpo.lockstep import lockstep_step
-from cookbook_lib.grpo.replicas import GeneratorReplicas
-from cookbook_lib.models import load_tokenizer
-from cookbook_lib.timeline import Timeline
+from cookbook_lib.grpo.loops import make_loop
+from cookbook_lib.grpo.step import RunContext
+from cookbook_lib.grpo.weight_sync import GeneratorReplicas
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.models import load_tokenizer
+from cookbook_lib.runtime.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -198,32 +198,16 @@ async def _run(config: GRPOConfig, tasks: list[Task], codec: Codec, filler: int,
     replicas = GeneratorReplicas(generators, config.weight_sync_type, timeline)
     trainer = SimulatedTrainer(cost)
     env_factory = lambda task: ReviewedRepliesEnv(cost.tool_s)  # noqa: E731
-    collector, async_grpo = None, None
-    if config.is_async:
-        collector = RolloutCollector(config, tasks, env_factory, replicas, codec)
-        async_grpo = AsyncGRPO(config, collector, trainer, replicas, timeline)  # type: ignore[arg-type]
+    context = RunContext(config, tasks, env_factory, trainer, replicas, codec, timeline)  # type: ignore[arg-type]
+    loop = make_loop(context)
     records, episodes = [], {}
     try:
         for step in range(1, config.num_steps + 1):
-            if async_grpo is not None:
-                outcome = await async_grpo.step(step)
-            else:
-                outcome = await lockstep_step(
-                    config,
-                    step,
-                    tasks,
-                    env_factory,
-                    trainer,
-                    replicas,
-                    codec,
-                    timeline,  # type: ignore[arg-type]
-                )
+            outcome = await loop.step(step)
             records.append({"step": step} | outcome.metrics)
             episodes[step] = outcome.episodes
     finally:
-        if collector is not None and async_grpo is not None:
-            await collector.stop()
-            await async_grpo.close()
+        await loop.close()
         await replicas.close()
     return {"records": records, "oldest_token_age": oldest_token_age(records, episodes)}
 

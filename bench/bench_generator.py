@@ -33,7 +33,7 @@ import torch
 from transformers import GenerationConfig
 
 from cookbook_lib.generators import HFGenerator, SamplingParams
-from cookbook_lib.models import load_model, load_tokenizer
+from cookbook_lib.runtime.models import load_model, load_tokenizer
 
 QUESTIONS = [
     "What is the capital of France?",

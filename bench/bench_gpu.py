@@ -44,13 +44,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from cookbook_lib.devices import check_precision, sampling_copy
 from cookbook_lib.envs import Task
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.train import train_single_turn
-from cookbook_lib.models import load_tokenizer, save_random_init_model
-from cookbook_lib.quiet import quiet_libraries
+from cookbook_lib.runtime.devices import check_precision, sampling_copy
+from cookbook_lib.runtime.models import load_tokenizer, save_random_init_model
+from cookbook_lib.runtime.quiet import quiet_libraries
 
 TARGET_TOKENS_PER_S = 25_000
 TARGET_GRPO_STEP_S = 0.4

@@ -238,9 +238,9 @@ class Arm:
 
 def _baseline_patch() -> None:
     """The library as it was before issue 12, where a GRPOConfig field cannot say so."""
-    from cookbook_lib.devices import sampling_copy
     from cookbook_lib.generators.hf import HFGenerator
     from cookbook_lib.grpo import train, trainer
+    from cookbook_lib.runtime.devices import sampling_copy
 
     # No memory handed back to the system between phases.
     trainer.release_memory = train.release_memory = lambda: None

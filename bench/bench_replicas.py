@@ -29,7 +29,7 @@ import torch
 
 from cookbook_lib.generators import Generator, HFGenerator, SamplingParams
 from cookbook_lib.generators.ray_replicas import RayReplicaPool, import_ray, model_bytes
-from cookbook_lib.models import load_model, load_tokenizer
+from cookbook_lib.runtime.models import load_model, load_tokenizer
 
 QUESTIONS = [
     "What is the capital of France?",

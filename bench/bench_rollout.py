@@ -45,12 +45,12 @@ from transformers import PreTrainedModel
 
 from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.envs import StepResult, Task
-from cookbook_lib.episode import Episode
 from cookbook_lib.generators import Generator, HFGenerator, SampleResult, SamplingParams, StepInfo
 from cookbook_lib.generators.sequential import SequentialHFGenerator
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.models import load_model, load_tokenizer
-from cookbook_lib.rollout import EnvFactory, run_episode, run_group
+from cookbook_lib.rollout.episode import Episode
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import EnvFactory, run_episode, run_group
+from cookbook_lib.runtime.models import load_model, load_tokenizer
 from cookbook_lib.types import Message
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks
 

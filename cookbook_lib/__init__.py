@@ -1,7 +1,7 @@
 """cookbook_lib: a small library for training tool-use agents with multi-turn GRPO.
 
 The public environment API lives in :mod:`cookbook_lib.envs` and :mod:`cookbook_lib.types`;
-episodes are run by :mod:`cookbook_lib.rollout`.
+episodes are run by :mod:`cookbook_lib.rollout.play`.
 """
 
 __version__ = "0.1.0"

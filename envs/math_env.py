@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from cookbook_lib.envs import Task, ToolArgumentError, ToolEnv, ToolResult
+from cookbook_lib.envs.scoring import numbers_match
 from cookbook_lib.envs.tools import shorten
-from cookbook_lib.scoring import numbers_match
 from cookbook_lib.types import Message
 
 Number = int | float
@@ -222,7 +222,7 @@ class MathEnv(ToolEnv):
 
     The final reply is the first assistant message without tool calls. It must be one number and
     nothing else ("42", " 42 ", "42.0" all count for 42; "The answer is 42" scores 0), compared with
-    :func:`cookbook_lib.scoring.numbers_match`. Metrics: ``tool_calls`` and ``tool_errors``.
+    :func:`cookbook_lib.envs.scoring.numbers_match`. Metrics: ``tool_calls`` and ``tool_errors``.
     """
 
     system_prompt = SYSTEM_PROMPT

@@ -19,7 +19,7 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=get_args(DTypeName),
-        help="precision policy (see cookbook_lib/devices.py); default: the config's (auto)",
+        help="precision policy (see cookbook_lib/runtime/devices.py); default: the config's (auto)",
     )
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 
 from cookbook_lib.envs import Env, Task
-from cookbook_lib.evaluate import EvalReport, default_run_name, evaluate
 from cookbook_lib.generators import SamplingParams
+from cookbook_lib.rollout.evaluate import EvalReport, default_run_name, evaluate
 from envs.math_env import MathEnv, load_math_tasks
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks
 from recipes.device_flags import add_device_flags

@@ -12,8 +12,8 @@ import argparse
 from collections.abc import Callable
 
 from cookbook_lib.envs import Env, Task
-from cookbook_lib.evaluate import EvalReport, evaluate_policy
-from cookbook_lib.rollout import Policy
+from cookbook_lib.rollout.evaluate import EvalReport, evaluate_policy
+from cookbook_lib.rollout.play import Policy
 from envs.experts import math_expert, tool_use_game_expert
 from envs.math_env import MathEnv, load_math_tasks
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks

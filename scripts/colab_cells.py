@@ -1,7 +1,7 @@
 """The Colab badge and set-up cell of every notebook, made from the repository URL in pyproject.toml.
 
-``scripts/sync_colab.py`` writes them into notebooks/ and the README; ``scripts/make_notebook_04.py``
-adds them to the notebook it generates; ``tests/test_colab.py`` checks that nothing has drifted.
+``scripts/sync_notebooks.py`` writes them into the notebooks, their sources and the README;
+``tests/test_colab.py`` checks that nothing has drifted.
 The set-up cell holds its own logic: it runs before the project is installed, so it cannot import
 a helper from it.
 """
@@ -57,7 +57,7 @@ def badge_markdown(repo_url: str, notebook_name: str) -> str:
 def setup_cell_source(repo_url: str) -> str:
     """The first code cell: in Colab it installs the project and the embedded model; elsewhere nothing."""
     clone = f"/content/{repo_url.rstrip('/').rsplit('/', 1)[-1]}"
-    return f'''{SETUP_CELL_MARKER} (written by scripts/sync_colab.py): in Colab, install this project and the
+    return f'''{SETUP_CELL_MARKER} (from scripts/sync_notebooks.py): in Colab, install this project and the
 # embedded model, then work from the clone's notebooks/ folder. Elsewhere this cell does nothing.
 import sys
 
@@ -109,7 +109,13 @@ def add_colab_cells(notebook: Any, notebook_name: str, repo_url: str) -> None:
         raise ValueError(f"{notebook_name}: the first cell must be markdown (the title) to hold the badge")
     cells[0].source = with_badge(cells[0].source, badge_markdown(repo_url, notebook_name))
     source = setup_cell_source(repo_url)
-    existing = [i for i, cell in enumerate(cells) if cell.get("id") == SETUP_CELL_ID]
+    # By id in a notebook, by its first line in a cell read from a notebook's source (which has no ids).
+    existing = [
+        i
+        for i, cell in enumerate(cells)
+        if cell.get("id") == SETUP_CELL_ID
+        or (cell.cell_type == "code" and cell.source.startswith(SETUP_CELL_MARKER))
+    ]
     if existing:
         cell = cells.pop(existing[0])
     else:

@@ -35,15 +35,15 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from cookbook_lib.episode import Episode
-from cookbook_lib.evaluate import read_episodes
+from cookbook_lib.display.timeline_plots import timeline_figure
+from cookbook_lib.display.training_plots import ASYNC_PANELS, TRAINING_PANELS, training_curves_figure
+from cookbook_lib.display.viewer import episode_html
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.train import TIMELINE_FILE
-from cookbook_lib.metrics import read_metrics
-from cookbook_lib.timeline import Timeline
-from cookbook_lib.timeline_plots import timeline_figure
-from cookbook_lib.training_plots import ASYNC_PANELS, TRAINING_PANELS, training_curves_figure
-from cookbook_lib.viewer import episode_html
+from cookbook_lib.rollout.episode import Episode
+from cookbook_lib.rollout.records import read_episodes
+from cookbook_lib.runtime.metrics import read_metrics
+from cookbook_lib.runtime.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES_DIR = ROOT / "docs" / "images"

@@ -13,7 +13,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 @pytest.fixture(scope="session")
 def tiny_model_and_tokenizer():
-    from cookbook_lib.models import tiny_random_model
+    from cookbook_lib.runtime.models import tiny_random_model
 
     return tiny_random_model(seed=0)
 
@@ -58,7 +58,7 @@ def prompts(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny random model saved like any local model, so configs can name it."""
-    from cookbook_lib.models import tiny_random_model
+    from cookbook_lib.runtime.models import tiny_random_model
 
     model, tokenizer = tiny_random_model(seed=0, embedding_scale=10.0)
     folder = tmp_path_factory.mktemp("tiny-model")

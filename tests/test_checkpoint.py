@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from cookbook_lib.checkpoint import (
+from cookbook_lib.runtime.checkpoint import (
     CHECKPOINTS_DIR,
     LATEST_FILE,
     checkpoint_dir,
@@ -17,7 +17,7 @@ from cookbook_lib.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from cookbook_lib.metrics import MetricsLogger, read_metrics, truncate_metrics
+from cookbook_lib.runtime.metrics import MetricsLogger, read_metrics, truncate_metrics
 
 
 class Net(nn.Module):
@@ -158,7 +158,7 @@ def test_saving_a_step_again_replaces_it_and_bad_extra_state_writes_nothing(tmp_
 def test_transformers_model_round_trip_with_tied_embeddings(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from cookbook_lib.models import tiny_random_model
+    from cookbook_lib.runtime.models import tiny_random_model
 
     model, _ = tiny_random_model(seed=1, num_layers=1, hidden_size=32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -176,8 +176,8 @@ def test_peft_lora_round_trip_restores_adapter_weights(tmp_path):
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from cookbook_lib.models import tiny_random_model
-    from cookbook_lib.quiet import quiet_libraries
+    from cookbook_lib.runtime.models import tiny_random_model
+    from cookbook_lib.runtime.quiet import quiet_libraries
 
     def lora_model(seed: int):
         base, _ = tiny_random_model(seed=1, num_layers=1, hidden_size=32)

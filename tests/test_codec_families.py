@@ -34,11 +34,11 @@ from cookbook_lib.codecs.reference import (
     shipped_template_text,
 )
 from cookbook_lib.codecs.reply import MAX_REPLY_CHARS
-from cookbook_lib.episode import EndCause
 from cookbook_lib.generators import SamplingParams
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.models import load_tokenizer
-from cookbook_lib.rollout import run_episode
+from cookbook_lib.rollout.episode import EndCause
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import run_episode
+from cookbook_lib.runtime.models import load_tokenizer
 from cookbook_lib.types import Message
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
 

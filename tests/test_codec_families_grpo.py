@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs.reference import reference_tokenizer
 from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.sft import WarmStart, collect_demonstrations
 from cookbook_lib.grpo.train import train_multi_turn
-from cookbook_lib.models import load_tokenizer, tiny_random_model
-from cookbook_lib.sft import WarmStart, collect_demonstrations
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.models import load_tokenizer, tiny_random_model
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from cookbook_lib.codecs import (
     UnsupportedChatTemplateError,
     make_codec,
 )
-from cookbook_lib.models import load_tokenizer
+from cookbook_lib.runtime.models import load_tokenizer
 from cookbook_lib.types import Message, ToolSpec, make_tool_call
 
 LOOKUP = ToolSpec(

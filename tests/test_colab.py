@@ -1,8 +1,8 @@
-"""The Colab badges and set-up cells agree with pyproject.toml's URL, and the cell does what it says."""
+"""The notebooks are built from their sources (notebooks/NN_*.py), their Colab badges and set-up cells
+agree with pyproject.toml's URL, and the set-up cell does what it says."""
 
 from __future__ import annotations
 
-import copy
 import importlib
 import re
 import shutil
@@ -22,18 +22,41 @@ OTHER_URL = "https://github.com/a-fork/renamed-cookbook"
 def scripts(monkeypatch) -> types.SimpleNamespace:
     """The modules of scripts/ (a folder of scripts, not a package, so it goes on sys.path)."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    names = ("colab_cells", "sync_colab", "make_notebook_04")
+    names = ("colab_cells", "sync_notebooks")
     return types.SimpleNamespace(**{name: importlib.import_module(name) for name in names})
 
 
-def test_notebooks_and_readme_agree_with_pyproject_url(scripts):
-    stale = scripts.sync_colab.sync(write=False)
-    assert not stale, f"{[str(p.relative_to(ROOT)) for p in stale]} drifted: run python scripts/sync_colab.py"
+def test_every_notebook_is_built_from_its_source_and_the_url(scripts):
+    """A notebook edited without its source (or a source without its notebook) fails here."""
+    stale = scripts.sync_notebooks.sync(write=False)
+    assert not stale, (
+        f"{[str(p.relative_to(ROOT)) for p in stale]} drifted: run python scripts/sync_notebooks.py"
+    )
+
+
+def test_a_change_to_a_source_is_a_drift_until_the_notebook_is_rebuilt(scripts, tmp_path):
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns(".*", "runs"))
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    places = dict(notebooks_dir=tmp_path / "notebooks", readme=tmp_path / "README.md")
+    source = tmp_path / "notebooks" / "03_lockstep_grpo.py"
+    source.write_text(source.read_text().replace("# ## 1.", "# ## 1. (edited)", 1))
+    assert scripts.sync_notebooks.sync(write=False, **places) == [
+        tmp_path / "notebooks" / "03_lockstep_grpo.ipynb"
+    ]
+    scripts.sync_notebooks.sync(write=True, **places)
+    cells = nbformat.read(tmp_path / "notebooks" / "03_lockstep_grpo.ipynb", as_version=4).cells
+    assert any("## 1. (edited)" in cell.source for cell in cells)
+    assert scripts.sync_notebooks.sync(write=False, **places) == []
+    (tmp_path / "notebooks" / "05_new.ipynb").write_text(
+        (tmp_path / "notebooks" / "03_lockstep_grpo.ipynb").read_text()
+    )
+    with pytest.raises(ValueError, match=r"05_new\.ipynb have no source"):
+        scripts.sync_notebooks.sync(write=False, **places)
 
 
 def test_every_notebook_gets_a_badge_and_an_output_free_setup_cell(scripts):
     url = scripts.colab_cells.repository_url()
-    paths = scripts.sync_colab.notebook_paths()
+    paths = [source.with_suffix(".ipynb") for source in scripts.sync_notebooks.source_paths()]
     assert [p.name[:2] for p in paths] == ["01", "02", "03", "04"]
     for path in paths:
         cells = nbformat.read(path, as_version=4).cells
@@ -44,30 +67,21 @@ def test_every_notebook_gets_a_badge_and_an_output_free_setup_cell(scripts):
 
 
 def test_a_new_url_reaches_every_notebook_and_the_readme(scripts, tmp_path):
-    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns(".*"))
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns(".*", "runs"))
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text(f'[project]\nname = "x"\n\n[project.urls]\nRepository = "{OTHER_URL}"\n')
     places = dict(notebooks_dir=tmp_path / "notebooks", readme=tmp_path / "README.md", pyproject=pyproject)
 
-    rewritten = scripts.sync_colab.sync(write=True, **places)
+    rewritten = scripts.sync_notebooks.sync(write=True, **places)
 
     old_url = scripts.colab_cells.repository_url()
-    assert len(rewritten) == 5  # four notebooks and the README
+    assert len(rewritten) == 9  # four notebooks, their four sources and the README
     for path in rewritten:
         text = path.read_text()
         assert "a-fork/renamed-cookbook" in text and old_url not in text, path.name
     assert text.count("colab.research.google.com/github/a-fork/renamed-cookbook/blob/main/notebooks/0") == 4
-    assert scripts.sync_colab.sync(write=False, **places) == []  # a second sync changes nothing
-
-
-def test_notebook_04_generator_emits_the_same_colab_cells(scripts):
-    built = scripts.make_notebook_04.build()
-    committed = nbformat.read(ROOT / "notebooks" / "04_async_grpo.ipynb", as_version=4)
-    assert [(c.id, c.source) for c in built.cells[:2]] == [(c.id, c.source) for c in committed.cells[:2]]
-    again = copy.deepcopy(built)
-    scripts.colab_cells.add_colab_cells(again, "04_async_grpo.ipynb", scripts.colab_cells.repository_url())
-    assert nbformat.writes(again) == nbformat.writes(built)
+    assert scripts.sync_notebooks.sync(write=False, **places) == []  # a second sync changes nothing
 
 
 def test_repository_url_must_be_a_github_url(scripts, tmp_path):

@@ -405,7 +405,7 @@ def test_update_weights_mid_flight_changes_versions_within_one_sample(model, pro
         sample = asyncio.create_task(generator.sample(prompts[1], SamplingParams(max_tokens=12, seed=0)))
         await asyncio.to_thread(reached.wait, TIMEOUT_S)
         update = asyncio.create_task(generator.update_weights(new_model.state_dict(), version=7))
-        while not generator._weight_updates:  # queued before the worker takes its next step
+        while not generator._controls:  # queued before the worker takes its next step
             await asyncio.sleep(0.001)
         submitted.set()
         await update
@@ -449,7 +449,7 @@ def test_update_between_requests_lets_running_samples_finish_and_holds_new_ones(
         update = asyncio.create_task(
             generator.update_weights(new_model.state_dict(), version=3, between_requests=True)
         )
-        while not generator._weight_updates:
+        while not generator._controls:
             await asyncio.sleep(0.001)
         # Arrives while the update waits: it must not start under the old weights.
         later = asyncio.create_task(generator.sample(prompts[0], SamplingParams(max_tokens=4, seed=1)))
@@ -495,7 +495,7 @@ def test_close_fails_pending_and_running_requests_and_stops_the_thread(model, pr
 
 @pytest.mark.slow
 def test_the_embedded_model_batched_greedy_equals_generate_alone():
-    from cookbook_lib.models import load_model, load_tokenizer
+    from cookbook_lib.runtime.models import load_model, load_tokenizer
 
     model, tokenizer = load_model(), load_tokenizer()
     questions = ["What is 2+2?", "Name a color.", "Write one sentence about the sea and the sky at night."]
@@ -658,7 +658,7 @@ def test_update_weights_drops_kept_prefixes_and_a_sample_spanning_it_is_not_kept
         spanning = asyncio.create_task(generator.sample(prompts[0], params))
         await asyncio.to_thread(reached.wait, TIMEOUT_S)
         update = asyncio.create_task(generator.update_weights(new_model.state_dict(), version=1))
-        while not generator._weight_updates:
+        while not generator._controls:
             await asyncio.sleep(0.001)
         submitted.set()
         await update

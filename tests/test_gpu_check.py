@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cookbook_lib import gpu_check
+from cookbook_lib.runtime import gpu_check
 
 
 def test_pytest_counts_reads_the_closing_line():

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import pytest
 
 from cookbook_lib.envs.base import Task
-from cookbook_lib.episode import EndCause, Episode, Turn
 from cookbook_lib.grpo.advantages import group_advantages, is_usable, is_zero_variance, shaped_rewards
 from cookbook_lib.grpo.overlong import context_length, overlong_penalty, soft_overlong_penalty
+from cookbook_lib.rollout.episode import EndCause, Episode, Turn
 
 
 def episode(end_cause: EndCause, reward: float = 0.0, turns: Sequence[tuple[int, int]] = ()) -> Episode:

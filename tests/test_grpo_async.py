@@ -21,20 +21,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from cookbook_lib import models
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import make_codec
 from cookbook_lib.envs import Env, StepResult, Task
-from cookbook_lib.episode import EndCause, Episode
 from cookbook_lib.generators import HFGenerator
 from cookbook_lib.grpo.async_loop import CollectedGroup, RolloutCollector, task_for_group
 from cookbook_lib.grpo.config import GRPOConfig, WeightSyncType
 from cookbook_lib.grpo.length_mix import turn_bucket, turn_buckets
 from cookbook_lib.grpo.lockstep import tasks_for_step
-from cookbook_lib.grpo.replicas import GeneratorReplicas
 from cookbook_lib.grpo.train import TIMELINE_FILE, train_multi_turn
-from cookbook_lib.metrics import read_metrics
-from cookbook_lib.timeline import SAMPLING, TRAINER_LANE, TRAINING, Timeline, replica_lane
+from cookbook_lib.grpo.weight_sync import GeneratorReplicas
+from cookbook_lib.rollout.episode import EndCause, Episode
+from cookbook_lib.runtime import models
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.metrics import read_metrics
+from cookbook_lib.runtime.timeline import SAMPLING, TRAINER_LANE, TRAINING, Timeline, replica_lane
 from cookbook_lib.types import Message, ToolSpec
 
 SYNCHRONOUS = WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS

@@ -34,7 +34,7 @@ def test_defaults_are_valid_and_follow_the_seed():
 
 
 def test_default_model_is_the_embedded_one():
-    from cookbook_lib.models import DEFAULT_MODEL as MODELS_DEFAULT
+    from cookbook_lib.runtime.models import DEFAULT_MODEL as MODELS_DEFAULT
 
     assert DEFAULT_MODEL == MODELS_DEFAULT == GRPOConfig().model
 
@@ -267,8 +267,8 @@ def test_validate_loads_no_model(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
-    monkeypatch.setattr("cookbook_lib.models.load_model", refuse)
-    monkeypatch.setattr("cookbook_lib.models.load_tokenizer", refuse)
+    monkeypatch.setattr("cookbook_lib.runtime.models.load_model", refuse)
+    monkeypatch.setattr("cookbook_lib.runtime.models.load_tokenizer", refuse)
     GRPOConfig(model="no/such-model").validate(OFFLINE)
     with pytest.raises(ConfigError):
         GRPOConfig(model="no/such-model", episodes_per_task=1).validate(OFFLINE)
@@ -284,7 +284,7 @@ def test_config_and_validate_import_no_model_code():
         "GRPOConfig().validate({})\n"
         "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('torch', 'transformers'))\n"
         "assert not new, new\n"
-        "assert 'cookbook_lib.models' not in set(sys.modules) - before\n"
+        "assert 'cookbook_lib.runtime.models' not in set(sys.modules) - before\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from cookbook_lib.grpo.loss_settings import LossSettings
 from cookbook_lib.grpo.losses import (
     Aggregation,
     cispo_loss,
@@ -288,7 +289,7 @@ def test_micro_batches_without_step_normalisers_do_not_sum_to_the_full_batch():
 
 def test_compute_loss_picks_by_name_and_adds_the_kl_penalty():
     logp, old, adv, mask = ppo_inputs()
-    loss, metrics = compute_loss(logp, old, adv, mask, ref_logprobs_BT=old, kl_coef=0.1)
+    loss, metrics = compute_loss(logp, old, adv, mask, LossSettings(kl_coef=0.1), ref_logprobs_BT=old)
     # PPO token mean -0.116, plus 0.1 * mean k3 with d = -logp over the five trained tokens
     d = [-LN(1.5), -LN(0.5), -LN(1.1), -LN(0.5), -LN(1.5)]
     kl = sum(math.exp(x) - x - 1 for x in d) / 5
@@ -296,10 +297,10 @@ def test_compute_loss_picks_by_name_and_adds_the_kl_penalty():
     assert metrics["policy_loss"] == pytest.approx(-0.116)
     assert metrics["kl"] == pytest.approx(kl)
     assert metrics["num_tokens"] == 5.0
-    cispo, _ = compute_loss(logp, old, adv, mask, loss_type="cispo", clip_ratio_low=1.0)
+    cispo, _ = compute_loss(logp, old, adv, mask, LossSettings(loss_type="cispo", clip_ratio_low=1.0))
     assert cispo.item() == pytest.approx(cispo_loss(logp, old, adv, mask)[0].item())
     seq, _ = compute_loss(
-        logp, old, adv, mask, importance_ratio_level="sequence", aggregation="sequence_mean"
+        logp, old, adv, mask, LossSettings(importance_ratio_level="sequence", aggregation="sequence_mean")
     )
     assert seq.item() == pytest.approx(
         gspo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)[0].item()
@@ -320,4 +321,5 @@ def test_compute_loss_picks_by_name_and_adds_the_kl_penalty():
 def test_compute_loss_rejects_unknown_names_and_bad_settings(kwargs, message):
     logp, old, adv, mask = ppo_inputs()
     with pytest.raises(ValueError, match=message):
-        compute_loss(logp, old, adv, mask, **kwargs)
+        counts = {k: kwargs.pop(k) for k in ("num_tokens_total",) if k in kwargs}
+        compute_loss(logp, old, adv, mask, LossSettings(**kwargs), **counts)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cookbook_lib.envs.base import Task
-from cookbook_lib.episode import EndCause, Episode, Turn
 from cookbook_lib.grpo.losses import token_logprobs
-from cookbook_lib.grpo.samples import TrainingSample, build_samples, collate, pack_micro_batches
+from cookbook_lib.grpo.samples import TrainingSample, build_samples, collate, pack_micro_batches, version_mix
+from cookbook_lib.rollout.episode import EndCause, Episode, Turn
 
 
 def turn(prompt: list[int], sampled: list[int], logprob: float = -0.5, version: int = 0) -> Turn:
@@ -285,3 +285,21 @@ def test_build_then_collate_trains_exactly_the_assistant_tokens():
     assert tensors["target_ids"][0][tensors["loss_mask"][0]].tolist() == [4, 5, 8]
     assert tensors["advantages"][0].tolist() == [0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.5]
     assert tensors["loss_mask"].sum().item() == batch.num_loss_tokens == 5
+
+
+def test_version_mix_counts_newer_tokens_and_mixed_replies():
+    # Two replies: the first sampled by version 0 then 1 (weights switched mid-reply, PIPELINE),
+    # the second by version 1 after a tool result (a newer version for the next turn).
+    mixed = TrainingSample(
+        tokens_T=list(range(9)),
+        loss_mask_T=[False, True, True, True, False, False, True, True, False],
+        sampling_logprobs_T=[0.0] * 9,
+        policy_versions_T=[-1, 0, 0, 1, -1, -1, 1, 1, -1],
+        advantage=1.0,
+        group_index=0,
+        episode_index=0,
+        end_cause=EndCause.TERMINATED,
+        reward=1.0,
+    )
+    assert version_mix([mixed, sample(4)]) == {"newer_version_tokens": 3.0, "mixed_version_replies": 1.0}
+    assert version_mix([sample(5)]) == {"newer_version_tokens": 0.0, "mixed_version_replies": 0.0}

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from cookbook_lib import models
 from cookbook_lib.envs import Task
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
 from cookbook_lib.grpo.resume_rules import read_config_history
+from cookbook_lib.grpo.sft import Demonstration
 from cookbook_lib.grpo.train import SingleTurnEnv, WarmStart, train_multi_turn, train_single_turn
-from cookbook_lib.metrics import read_metrics
-from cookbook_lib.sft import Demonstration
+from cookbook_lib.runtime import models
+from cookbook_lib.runtime.metrics import read_metrics
 from cookbook_lib.types import Message
 
 SEED_METRICS = ["terminated_ratio", "truncated_ratio", "context_overflow_ratio", "parse_failure_ratio"]

@@ -7,9 +7,8 @@ import asyncio
 
 import pytest
 
-from cookbook_lib.asyncio_utils import run_sync
+from cookbook_lib.display.length_mix_plots import length_mix_figure
 from cookbook_lib.envs import Env, StepResult, Task
-from cookbook_lib.episode import EndCause, Episode, Turn
 from cookbook_lib.grpo.async_loop import task_for_group
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.length_mix import (
@@ -22,7 +21,8 @@ from cookbook_lib.grpo.length_mix import (
 )
 from cookbook_lib.grpo.lockstep import tasks_for_step
 from cookbook_lib.grpo.samples import build_samples
-from cookbook_lib.length_mix_plots import length_mix_figure
+from cookbook_lib.rollout.episode import EndCause, Episode, Turn
+from cookbook_lib.runtime.asyncio_utils import run_sync
 from cookbook_lib.types import Message, ToolSpec
 
 

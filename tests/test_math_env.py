@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cookbook_lib.envs import TOOL_ERROR_PREFIX, Task, Tool
-from cookbook_lib.episode import EndCause, Episode
-from cookbook_lib.rollout import Policy, run_episode
+from cookbook_lib.rollout.episode import EndCause, Episode
+from cookbook_lib.rollout.play import Policy, run_episode
 from cookbook_lib.types import Message, ToolSpec, make_tool_call
 from envs.experts import math_expert
 from envs.math_env import DATA_DIR, SYSTEM_PROMPT, CalculatorTool, MathEnv, load_math_tasks, safe_eval

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from cookbook_lib.envs import Task
-from cookbook_lib.episode import TokenSequence
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.generators.hf import DEFAULT_PREFIX_CACHE_TOKENS
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
 from cookbook_lib.grpo.trainer import PolicyTrainer, enable_activation_checkpointing
+from cookbook_lib.rollout.episode import TokenSequence
 
 
 def _sequences(count: int, length: int, seed: int = 0) -> list[TokenSequence]:
@@ -69,7 +69,7 @@ def _saved_bytes(model: torch.nn.Module, ids_BT: torch.Tensor) -> int:
 
 
 def test_activation_checkpointing_keeps_a_fraction_of_the_activations():
-    from cookbook_lib.models import tiny_random_model
+    from cookbook_lib.runtime.models import tiny_random_model
 
     plain = tiny_random_model(seed=0, num_layers=4)[0]
     checkpointed = copy.deepcopy(plain)
@@ -111,8 +111,8 @@ def test_a_model_without_checkpointing_support_is_refused_with_the_fix():
 def test_lockstep_samples_from_the_trained_model_and_async_from_a_copy(
     tiny_model_and_tokenizer, tiny_model_dir, tmp_path
 ):
-    from cookbook_lib.devices import resolve_precision
     from cookbook_lib.grpo.train import _sampling_model
+    from cookbook_lib.runtime.devices import resolve_precision
 
     model = tiny_model_and_tokenizer[0]
     precision = resolve_precision("cpu", "float32")
@@ -135,7 +135,7 @@ def _resident_bytes() -> int:
 
 _RELEASE_PROBE = """
 import torch
-from cookbook_lib.memory import can_release_memory, release_memory
+from cookbook_lib.runtime.memory import can_release_memory, release_memory
 
 def resident():
     with open("/proc/self/status") as status:
@@ -164,7 +164,7 @@ def test_release_memory_hands_freed_heap_memory_back_to_the_system():
 
 _MAPPED_PROBE = """
 import torch
-from cookbook_lib.memory import large_blocks_mapped, release_memory
+from cookbook_lib.runtime.memory import large_blocks_mapped, release_memory
 
 def resident():
     with open("/proc/self/status") as status:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cookbook_lib.envs.base import Task
-from cookbook_lib.episode import EndCause, Episode, Turn
-from cookbook_lib.metrics import (
+from cookbook_lib.rollout.episode import EndCause, Episode, Turn
+from cookbook_lib.runtime.metrics import (
     METRICS_FILE,
     MetricsLogger,
     NullLogger,
@@ -170,7 +170,7 @@ def test_null_logger_does_nothing(tmp_path, monkeypatch):
 
 def test_wandb_is_not_imported_without_a_project(tmp_path):
     code = (
-        "import sys; from pathlib import Path; from cookbook_lib.metrics import MetricsLogger;"
+        "import sys; from pathlib import Path; from cookbook_lib.runtime.metrics import MetricsLogger;"
         f"MetricsLogger(Path({str(tmp_path)!r}), wandb_project=None, run_name='x').log(1, {{'a': 1}});"
         "assert 'wandb' not in sys.modules, 'wandb was imported'"
     )

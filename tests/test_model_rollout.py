@@ -15,11 +15,12 @@ import torch
 
 from cookbook_lib.codecs import make_codec
 from cookbook_lib.envs import Env, StepResult, Task
-from cookbook_lib.episode import EndCause, Episode, EpisodeError
-from cookbook_lib.evaluate import evaluate_async, read_episodes
 from cookbook_lib.generators import Generator, GeneratorClosedError, HFGenerator, SampleResult, SamplingParams
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.rollout import run_episode, run_group
+from cookbook_lib.rollout.episode import EndCause, Episode, EpisodeError
+from cookbook_lib.rollout.evaluate import evaluate_async
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import run_episode, run_group
+from cookbook_lib.rollout.records import read_episodes
 from cookbook_lib.types import Message, ToolSpec, make_tool_call
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
 

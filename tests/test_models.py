@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from cookbook_lib import models
+from cookbook_lib.runtime import models
 
 
 def test_default_and_none_resolve_to_the_same_converted_copy():

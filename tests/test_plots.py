@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from cookbook_lib.display.plots import END_CAUSE_COLORS, end_cause_counts, end_cause_figure, reward_histogram
 from cookbook_lib.envs import Task
-from cookbook_lib.episode import EndCause, Episode
-from cookbook_lib.evaluate import summarize
-from cookbook_lib.plots import END_CAUSE_COLORS, end_cause_counts, end_cause_figure, reward_histogram
+from cookbook_lib.rollout.episode import EndCause, Episode
+from cookbook_lib.rollout.evaluate import summarize
 
 SEED_ORDER = ["TERMINATED", "CONTEXT_OVERFLOW", "MAX_TURNS", "ENV", "PARSE_FAILURE", "ERROR"]
 

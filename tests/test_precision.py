@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import make_codec
-from cookbook_lib.devices import Precision, precision_problems, resolve_precision, sampling_copy
 from cookbook_lib.envs import Task
-from cookbook_lib.episode import EndCause
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
 from cookbook_lib.grpo.samples import TrainingSample
 from cookbook_lib.grpo.train import train_single_turn
 from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.rollout.episode import EndCause
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.devices import Precision, precision_problems, resolve_precision, sampling_copy
 
 # The importance ratio of freshly sampled tokens: the sampler and the trainer compute the same
 # distribution in different kernels (a cached decode step against one full forward), so the ratio
@@ -26,7 +26,7 @@ from cookbook_lib.grpo.trainer import PolicyTrainer
 # float32 it is 1 to ~1e-5. In bf16 (8 bits of mantissa) the two forwards round differently, and
 # the tiny test model's large random weights make that worse than a trained model's: measured
 # (0.07, 0.37) here and (0.034, 0.43) on the embedded model, which is why dtype="auto" stays
-# float32 on a CPU (cookbook_lib/devices.py).
+# float32 on a CPU (cookbook_lib/runtime/devices.py).
 RATIO_TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (0.15, 1.0)}
 EMBEDDED_RATIO_TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (0.07, 0.8)}
 
@@ -162,7 +162,7 @@ def test_fresh_samples_have_importance_ratio_one_and_an_fp32_loss(
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_embedded_model_fresh_samples_have_importance_ratio_one(dtype):
-    from cookbook_lib.models import load_model, load_tokenizer
+    from cookbook_lib.runtime.models import load_model, load_tokenizer
 
     _check_ratio(load_model(), load_tokenizer(), dtype, EMBEDDED_RATIO_TOLERANCE)
 

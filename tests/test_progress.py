@@ -9,15 +9,15 @@ import threading
 import pytest
 import torch
 
-from cookbook_lib import progress
-from cookbook_lib.checkpoint import save_checkpoint
 from cookbook_lib.envs import Task
 from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.sft import Demonstration
 from cookbook_lib.grpo.train import WarmStart, train_single_turn
-from cookbook_lib.models import load_model, load_tokenizer
-from cookbook_lib.progress import LiveProgress, progress_bar, progress_enabled, tokens_status
-from cookbook_lib.quiet import quiet_libraries
-from cookbook_lib.sft import Demonstration
+from cookbook_lib.runtime import progress
+from cookbook_lib.runtime.checkpoint import save_checkpoint
+from cookbook_lib.runtime.models import load_model, load_tokenizer
+from cookbook_lib.runtime.progress import LiveProgress, progress_bar, progress_enabled, tokens_status
+from cookbook_lib.runtime.quiet import quiet_libraries
 from cookbook_lib.types import Message
 
 # What transformers and huggingface_hub print on their own when nobody silences them.
@@ -208,9 +208,10 @@ def test_a_run_shows_our_bars_and_no_library_output(tiny_model_dir, tmp_path, mo
 def test_an_optimizer_step_shows_its_micro_batches(tiny_model_and_tokenizer, monkeypatch, capsys):
     import copy
 
-    from cookbook_lib.episode import EndCause
+    from cookbook_lib.grpo.loss_settings import LossSettings
     from cookbook_lib.grpo.samples import TrainingSample
-    from cookbook_lib.grpo.trainer import LossSettings, PolicyTrainer
+    from cookbook_lib.grpo.trainer import PolicyTrainer
+    from cookbook_lib.rollout.episode import EndCause
 
     model, tokenizer = tiny_model_and_tokenizer
     trainer = PolicyTrainer(copy.deepcopy(model), pad_token_id=tokenizer.pad_token_id, learning_rate=1e-3)

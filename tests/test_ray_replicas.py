@@ -29,7 +29,6 @@ from test_grpo_async import (
 from test_grpo_train import TASKS as SINGLE_TURN_TASKS
 from test_grpo_train import tiny_config, vowel_share
 
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.envs import Env, StepResult, Task
 from cookbook_lib.generators import SamplingParams
 from cookbook_lib.generators.ray_replicas import (
@@ -43,7 +42,8 @@ from cookbook_lib.generators.ray_replicas import (
 from cookbook_lib.grpo import config as config_module
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
 from cookbook_lib.grpo.train import TIMELINE_FILE, train_multi_turn, train_single_turn
-from cookbook_lib.timeline import SAMPLING, WEIGHT_SYNC, Timeline, replica_lane
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.timeline import SAMPLING, WEIGHT_SYNC, Timeline, replica_lane
 from cookbook_lib.types import Message, ToolSpec
 
 RAY_HINT = 'Ray is not installed: pip install -e ".[ray]" (CI installs it in .ci/run)'

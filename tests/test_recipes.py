@@ -91,7 +91,7 @@ def test_the_async_recipe_shares_the_lockstep_flags_and_sizes_its_async_settings
 @pytest.mark.slow
 def test_the_async_recipe_runs_small(tmp_path, monkeypatch, capsys):
     from cookbook_lib.grpo.config import GRPOConfig
-    from cookbook_lib.timeline import TRAINER_LANE, Timeline
+    from cookbook_lib.runtime.timeline import TRAINER_LANE, Timeline
     from recipes.grpo import tool_use_game_async
 
     monkeypatch.chdir(tmp_path)

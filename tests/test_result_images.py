@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from cookbook_lib.envs import Task
-from cookbook_lib.episode import EndCause, Episode
 from cookbook_lib.grpo.config import GRPOConfig
-from cookbook_lib.metrics import MetricsLogger, dump_episodes
-from cookbook_lib.timeline import SAMPLING, TRAINER_LANE, TRAINING, Timeline, replica_lane
+from cookbook_lib.rollout.episode import EndCause, Episode
+from cookbook_lib.runtime.metrics import MetricsLogger, dump_episodes
+from cookbook_lib.runtime.timeline import SAMPLING, TRAINER_LANE, TRAINING, Timeline, replica_lane
 from cookbook_lib.types import Message
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from cookbook_lib.envs import Env, StepResult, Task
-from cookbook_lib.episode import EndCause, Episode, EpisodeError
-from cookbook_lib.rollout import ContainedPolicy, PolicyStep, run_episode
+from cookbook_lib.rollout.episode import EndCause, Episode, EpisodeError
+from cookbook_lib.rollout.play import ContainedPolicy, PolicyStep, run_episode
 from cookbook_lib.types import Message, ToolSpec
 
 TASK = Task(prompt="count to three", target="3", metadata={"id": 7})

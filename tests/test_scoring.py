@@ -1,10 +1,10 @@
-"""cookbook_lib.scoring: reading one number out of a reply, and comparing it with a target."""
+"""cookbook_lib.envs.scoring: reading one number out of a reply, and comparing it with a target."""
 
 from __future__ import annotations
 
 import pytest
 
-from cookbook_lib.scoring import numbers_match, parse_number
+from cookbook_lib.envs.scoring import numbers_match, parse_number
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cookbook_lib.episode import EndCause
-from cookbook_lib.rollout import run_episode
+from cookbook_lib.rollout.episode import EndCause
+from cookbook_lib.rollout.play import run_episode
 from cookbook_lib.types import make_tool_call
 from envs.experts import math_expert
 from envs.math_env import safe_eval  # defined before the example, as the page asks

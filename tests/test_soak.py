@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 from soak_run import CHECKPOINT_INTERVAL, KEEP_LAST_CHECKPOINTS
 
-from cookbook_lib.checkpoint import CHECKPOINTS_DIR, LATEST_FILE, checkpoint_step, latest_checkpoint
-from cookbook_lib.metrics import read_metrics
+from cookbook_lib.runtime.checkpoint import CHECKPOINTS_DIR, LATEST_FILE, checkpoint_step, latest_checkpoint
+from cookbook_lib.runtime.metrics import read_metrics
 
 WORKER = Path(__file__).with_name("soak_run.py")
 NUM_STEPS = 200

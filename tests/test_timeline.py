@@ -10,10 +10,11 @@ import time
 
 import pytest
 
+from cookbook_lib.display.timeline_plots import idle_summary, lane_order, timeline_figure
 from cookbook_lib.envs.base import Env, StepResult, Task
 from cookbook_lib.generators.stats import StepInfo
-from cookbook_lib.rollout import run_episode
-from cookbook_lib.timeline import (
+from cookbook_lib.rollout.play import run_episode
+from cookbook_lib.runtime.timeline import (
     ENV,
     SAMPLING,
     TRAINER_LANE,
@@ -27,7 +28,6 @@ from cookbook_lib.timeline import (
     replica_lane,
     timed_env_factory,
 )
-from cookbook_lib.timeline_plots import idle_summary, lane_order, timeline_figure
 from cookbook_lib.types import Message, ToolSpec
 
 G0, G1 = replica_lane(0), replica_lane(1)

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 import pytest
 
 from cookbook_lib.envs import TOOL_ERROR_PREFIX, Task, Tool, ToolResult
-from cookbook_lib.episode import EndCause, Episode
-from cookbook_lib.rollout import Policy, run_episode
+from cookbook_lib.rollout.episode import EndCause, Episode
+from cookbook_lib.rollout.play import Policy, run_episode
 from cookbook_lib.types import Message, ToolCall, ToolSpec, make_tool_call
 from envs.tool_use_game import (
     TOOL_USE_GAME_TASKS,

@@ -8,9 +8,7 @@ import threading
 
 import pytest
 
-from cookbook_lib.grpo.lockstep import StepOutcome
-from cookbook_lib.metrics import MetricsLogger
-from cookbook_lib.training_plots import (
+from cookbook_lib.display.training_plots import (
     ASYNC_PANELS,
     CURVES,
     EMPTY_TEXT,
@@ -27,6 +25,8 @@ from cookbook_lib.training_plots import (
     step_axis_range,
     training_curves_figure,
 )
+from cookbook_lib.grpo.lockstep import StepOutcome
+from cookbook_lib.runtime.metrics import MetricsLogger
 
 # What a run of three steps logs: step 0 is validation only, step 2 did not validate.
 METRICS = [

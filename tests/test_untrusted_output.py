@@ -26,10 +26,8 @@ from cookbook_lib.codecs import Codec, ParseResult, make_codec
 from cookbook_lib.codecs.hermes import split_reply
 from cookbook_lib.codecs.reply import MAX_REPLY_CHARS, ToolCallFormatError
 from cookbook_lib.envs import TOOL_ERROR_PREFIX, Task
-from cookbook_lib.episode import EndCause
+from cookbook_lib.envs.scoring import numbers_match, parse_number
 from cookbook_lib.generators import Generator, SampleResult, SamplingParams
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.models import load_tokenizer
 from cookbook_lib.plain_json import (
     MAX_INTEGER_DIGITS,
     MAX_JSON_CHARS,
@@ -37,8 +35,10 @@ from cookbook_lib.plain_json import (
     PlainJSONError,
     loads_plain_json,
 )
-from cookbook_lib.rollout import run_episode
-from cookbook_lib.scoring import numbers_match, parse_number
+from cookbook_lib.rollout.episode import EndCause
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import run_episode
+from cookbook_lib.runtime.models import load_tokenizer
 from cookbook_lib.types import Message, make_tool_call
 from envs.math_env import MathEnv
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks

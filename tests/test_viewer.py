@@ -8,10 +8,7 @@ import re
 import ipywidgets as widgets
 import pytest
 
-from cookbook_lib.envs import Task
-from cookbook_lib.episode import EndCause, Episode, Turn
-from cookbook_lib.types import Message, make_tool_call
-from cookbook_lib.viewer import (
+from cookbook_lib.display.viewer import (
     PROMPT_COLOR,
     SAMPLED_COLOR,
     TOOL_ERROR_COLOR,
@@ -20,6 +17,9 @@ from cookbook_lib.viewer import (
     episodes_table_html,
     tokens_html,
 )
+from cookbook_lib.envs import Task
+from cookbook_lib.rollout.episode import EndCause, Episode, Turn
+from cookbook_lib.types import Message, make_tool_call
 
 HOSTILE = "<script>alert('x')</script>"
 TASK = Task(prompt=f"What is a? {HOSTILE}", target=7)
@@ -226,7 +226,7 @@ def test_reasoning_is_shown_folded_apart_from_the_answer():
 
 
 def test_side_by_side_puts_each_text_in_its_own_escaped_column():
-    from cookbook_lib.viewer import side_by_side_html
+    from cookbook_lib.display.viewer import side_by_side_html
 
     html = side_by_side_html({"Qwen3.6": "<|im_start|>user", "gpt-oss": "<|start|>user"})
     assert html.count("<pre") == 2 and "&lt;|im_start|&gt;user" in html and "<b>gpt-oss</b>" in html

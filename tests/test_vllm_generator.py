@@ -28,8 +28,8 @@ from cookbook_lib.generators.vllm import (
 from cookbook_lib.grpo import train as train_module
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig, WeightSyncType
 from cookbook_lib.grpo.trainer import PolicyTrainer
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.rollout import run_group
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import run_group
 from cookbook_lib.types import Message, ToolSpec
 
 TIMEOUT_S = 120  # a guard against hangs only

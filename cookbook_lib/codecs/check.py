@@ -306,7 +306,7 @@ def _decode(codec: Codec, tokens: Sequence[int]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from cookbook_lib.codecs import make_codec
     from cookbook_lib.codecs.reference import REFERENCE_TEMPLATES, reference_tokenizer
-    from cookbook_lib.models import load_tokenizer
+    from cookbook_lib.runtime.models import load_tokenizer
 
     parser = argparse.ArgumentParser(
         prog="python -m cookbook_lib.codecs.check",

@@ -101,7 +101,7 @@ class ReferenceTemplatesMissingError(FileNotFoundError):
 
 
 def wheel_dir() -> Path:
-    from cookbook_lib.models import cache_dir
+    from cookbook_lib.runtime.models import cache_dir
 
     return cache_dir() / "reference"
 
@@ -164,7 +164,7 @@ def reference_template_text(name: str) -> str:
 
 def reference_tokenizer(name: str, base: PreTrainedTokenizerBase | None = None) -> PreTrainedTokenizerBase:
     """The embedded tokenizer (or a copy of ``base``) carrying template ``name`` and its tokens."""
-    from cookbook_lib.models import load_tokenizer
+    from cookbook_lib.runtime.models import load_tokenizer
 
     entry = _entry(name)
     tokenizer = copy.deepcopy(base) if base is not None else load_tokenizer()

@@ -17,6 +17,7 @@ Shape suffixes: ``_B`` one entry per row, ``_L`` one per column of the padded se
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import inspect
 from dataclasses import dataclass, field
@@ -77,8 +78,13 @@ class Row:
         )
 
 
-class DecodeBatch:
-    """Rows decoding together, sharing one KV cache; one model forward per ``step``.
+class PrefillBatch(abc.ABC):
+    """Rows decoding together, one model forward per ``step``: what every batch shares, the prefill.
+
+    ``admit`` prefills new requests in one forward (shared fresh prompts once, kept prefixes
+    skipped), samples their first token and hands the live rows to ``_join``. How the rows'
+    keys and values are held between steps is the subclass's: :class:`DecodeBatch` grows one
+    cache, :class:`~cookbook_lib.generators.slot_batch.SlotDecodeBatch` keeps fixed slots.
 
     With ``keep_finished_kv``, every reusable row that finishes carries its keys and values out in
     ``Row.prefix`` (a copy per row, so prefix reuse costs a copy of each finished row's cache).
@@ -97,8 +103,6 @@ class DecodeBatch:
         self.device = device
         self.keep_finished_kv = keep_finished_kv
         self.rows: list[Row] = []
-        self._cache: DynamicCache | None = None
-        self._mask_BL = torch.zeros(0, 0, dtype=torch.long, device=device)
         self._last_tokens_B = torch.zeros(0, dtype=torch.long, device=device)
         # Computing logits for the last prompt position only saves a [prompt, vocab] matmul per row.
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -108,13 +112,32 @@ class DecodeBatch:
         return len(self.rows)
 
     @property
+    @abc.abstractmethod
     def can_admit_now(self) -> bool:
-        """Whether new rows can join now: always when empty, else if the cache can be merged."""
-        return self._cache is None or kv_cache.supports_merging(self._cache)
+        """Whether new rows can join the running ones now."""
 
     @property
+    @abc.abstractmethod
     def columns(self) -> int:
-        return self._mask_BL.shape[1]
+        """The cache's width in tokens."""
+
+    @abc.abstractmethod
+    def step(self, version: int) -> list[Row]:
+        """One decode step for every row; returns the rows that finished (removed from the batch)."""
+
+    @abc.abstractmethod
+    def remove(self, indices: list[int]) -> list[Row]:
+        """Take rows out of the batch (finished or cancelled)."""
+
+    @abc.abstractmethod
+    def clear(self) -> list[Row]:
+        """Drop every row and what holds their keys and values; returns the dropped rows."""
+
+    @abc.abstractmethod
+    def _join(
+        self, cache: DynamicCache, mask_BL: torch.Tensor, last_B: torch.Tensor, rows: list[Row]
+    ) -> None:
+        """Take the prefilled live ``rows`` (their ``cache`` and ``mask_BL``) in after the running ones."""
 
     def admit(
         self, requests: list[Request], version: int, prefixes: list[CachedPrefix | None] | None = None
@@ -180,51 +203,14 @@ class DecodeBatch:
             self._join(cache, mask_BL[index], tokens_B[index], [rows[i] for i in live])
         return [row for row in rows if row.finish_reason is not None]
 
-    def step(self, version: int) -> list[Row]:
-        """One decode step for every row; returns the rows that finished (removed from the batch)."""
-        assert self._cache is not None and self.rows, "step() on an empty batch"
-        ones_B1 = torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)
-        mask_BL = torch.cat([self._mask_BL, ones_B1], dim=1)
-        positions_B1 = torch.tensor([[row.position] for row in self.rows], device=self.device)
-        output = self.model(
-            input_ids=self._last_tokens_B[:, None],
-            attention_mask=mask_BL,
-            position_ids=positions_B1,
-            use_cache=True,
-            **{self._cache_keyword: self._cache},
-        )
-        self._mask_BL = mask_BL
-        self._last_tokens_B = self._sample(self.rows, output.logits[:, -1], version)
-        self._keep_kv(self.rows, self._cache, self._mask_BL)
-        return self.remove([i for i, row in enumerate(self.rows) if row.finish_reason is not None])
-
-    def remove(self, indices: list[int]) -> list[Row]:
-        """Take rows out of the batch (finished or cancelled), shrinking the cache to the rest."""
-        if not indices:
-            return []
-        removed, keep = self._partition(indices)
-        if not keep:
-            self.clear()
-            return removed
-        assert self._cache is not None
-        index = torch.tensor(keep, device=self.device)
-        kv_cache.select_rows(self._cache, index)
-        self.rows = [self.rows[i] for i in keep]
-        self._mask_BL = self._mask_BL[index]
-        self._last_tokens_B = self._last_tokens_B[index]
-        self._trim_padding()
-        return removed
-
     def _partition(self, indices: list[int]) -> tuple[list[Row], list[int]]:
         """The rows at ``indices``, and the indices of the others, in order."""
         gone = set(indices)
         removed = [row for i, row in enumerate(self.rows) if i in gone]
         return removed, [i for i in range(len(self.rows)) if i not in gone]
 
-    def clear(self) -> list[Row]:
-        """Drop every row and the cache (after an error, or on shutdown); returns the dropped rows."""
-        removed, self.rows, self._cache = self.rows, [], None
-        self._mask_BL = self._mask_BL[:0, :0]
+    def _clear_rows(self) -> list[Row]:
+        removed, self.rows = self.rows, []
         self._last_tokens_B = self._last_tokens_B[:0]
         return removed
 
@@ -268,6 +254,72 @@ class DecodeBatch:
         for row, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
             row.append(token, logprob, version)
         return tokens_B
+
+
+class DecodeBatch(PrefillBatch):
+    """Rows sharing one KV cache that grows by a column each step (the CPU's decode path)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        pad_token_id: int,
+        device: torch.device,
+        keep_finished_kv: bool = False,
+    ) -> None:
+        super().__init__(model, pad_token_id=pad_token_id, device=device, keep_finished_kv=keep_finished_kv)
+        self._cache: DynamicCache | None = None
+        self._mask_BL = torch.zeros(0, 0, dtype=torch.long, device=device)
+
+    @property
+    def can_admit_now(self) -> bool:
+        """Always when empty, else if the cache can be merged."""
+        return self._cache is None or kv_cache.supports_merging(self._cache)
+
+    @property
+    def columns(self) -> int:
+        return self._mask_BL.shape[1]
+
+    def step(self, version: int) -> list[Row]:
+        """One decode step for every row; returns the rows that finished (removed from the batch)."""
+        assert self._cache is not None and self.rows, "step() on an empty batch"
+        ones_B1 = torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)
+        mask_BL = torch.cat([self._mask_BL, ones_B1], dim=1)
+        positions_B1 = torch.tensor([[row.position] for row in self.rows], device=self.device)
+        output = self.model(
+            input_ids=self._last_tokens_B[:, None],
+            attention_mask=mask_BL,
+            position_ids=positions_B1,
+            use_cache=True,
+            **{self._cache_keyword: self._cache},
+        )
+        self._mask_BL = mask_BL
+        self._last_tokens_B = self._sample(self.rows, output.logits[:, -1], version)
+        self._keep_kv(self.rows, self._cache, self._mask_BL)
+        return self.remove([i for i, row in enumerate(self.rows) if row.finish_reason is not None])
+
+    def remove(self, indices: list[int]) -> list[Row]:
+        """Take rows out of the batch (finished or cancelled), shrinking the cache to the rest."""
+        if not indices:
+            return []
+        removed, keep = self._partition(indices)
+        if not keep:
+            self.clear()
+            return removed
+        assert self._cache is not None
+        index = torch.tensor(keep, device=self.device)
+        kv_cache.select_rows(self._cache, index)
+        self.rows = [self.rows[i] for i in keep]
+        self._mask_BL = self._mask_BL[index]
+        self._last_tokens_B = self._last_tokens_B[index]
+        self._trim_padding()
+        return removed
+
+    def clear(self) -> list[Row]:
+        """Drop every row and the cache (after an error, or on shutdown); returns the dropped rows."""
+        self._cache = None
+        self._mask_BL = self._mask_BL[:0, :0]
+        return self._clear_rows()
 
     def _join(
         self, cache: DynamicCache, mask_BL: torch.Tensor, last_B: torch.Tensor, rows: list[Row]

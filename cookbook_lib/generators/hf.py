@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 
 import torch
@@ -29,17 +27,17 @@ from transformers import PreTrainedModel
 
 from cookbook_lib.generators import kv_cache
 from cookbook_lib.generators.base import (
-    Generator,
     GeneratorClosedError,
     SampleResult,
     SamplingParams,
     validate_prompt,
 )
-from cookbook_lib.generators.batch import DecodeBatch, Request, Row
+from cookbook_lib.generators.batch import DecodeBatch, PrefillBatch, Request, Row
 from cookbook_lib.generators.handoff import WeightUpdate, check_state_dict, deliver
 from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
 from cookbook_lib.generators.slot_batch import SlotDecodeBatch, fixed_shape_decode_supported
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
+from cookbook_lib.generators.worker import WorkerGenerator
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFIX_CACHE_TOKENS = 16384
 
 
-class HFGenerator(Generator):
+class HFGenerator(WorkerGenerator):
     """Batched sampling from a transformers causal LM, on CPU or CUDA (the model's device).
 
     Args:
@@ -79,6 +77,8 @@ class HFGenerator(Generator):
     and samples in flight during an update are not kept (their caches mix two versions). To change
     ``model``'s weights in place instead, build the generator with ``prefix_cache_entries=0``.
     """
+
+    _worker_name = "HFGenerator"
 
     def __init__(
         self,
@@ -118,29 +118,14 @@ class HFGenerator(Generator):
                 f"fixed_shape_decode=True, but {type(model).__name__} cannot decode in fixed slots: "
                 f"{reason}. Pass fixed_shape_decode=None to pick what the model allows."
             )
-        batch_class = SlotDecodeBatch if fixed_shape_decode else DecodeBatch
+        batch_class: type[PrefillBatch] = SlotDecodeBatch if fixed_shape_decode else DecodeBatch
         self._batch = batch_class(model, pad_token_id=pad_token_id, device=self.device, keep_finished_kv=keep)
-        self._version = 0
-        # Everything below is shared between the event loop and the worker, guarded by _wake.
-        self._wake = threading.Condition()
-        self._queue: deque[Request] = deque()
-        self._weight_updates: deque[WeightUpdate] = deque()
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self._init_worker()  # the request and weight-update queues, shared with the worker
 
     @property
     def fixed_shape_decode(self) -> bool:
         """Whether decode steps run in fixed-shape slots (CUDA graphs on a GPU)."""
         return isinstance(self._batch, SlotDecodeBatch)
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    @property
-    def num_pending(self) -> int:
-        """Requests waiting for a place in the batch."""
-        return len(self._queue)
 
     @property
     def num_running(self) -> int:
@@ -165,10 +150,7 @@ class HFGenerator(Generator):
         try:
             return await request.future
         except asyncio.CancelledError:
-            request.cancelled = True
-            with self._wake:
-                if request in self._queue:
-                    self._queue.remove(request)
+            self._withdraw(request)
             raise
 
     async def update_weights(
@@ -177,78 +159,36 @@ class HFGenerator(Generator):
         check_state_dict(self.model, state_dict)  # in the caller, before the worker touches the model
         loop = asyncio.get_running_loop()
         update = WeightUpdate(state_dict, version, loop.create_future(), loop, between_requests)
-        self._submit(self._weight_updates, update)
+        self._submit(self._controls, update)
         await update.future
 
     async def close(self) -> None:
-        self._shut(GeneratorClosedError("the generator was closed"))
-        if self._thread is not None:
-            # The worker finishes its current forward, fails its rows, and exits.
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-
-    def _shut(self, error: GeneratorClosedError) -> None:
-        """Refuse new work and fail what waits in the queues (not the running rows) with ``error``."""
-        with self._wake:
-            self._closed = True
-            waiting = [*self._queue, *self._weight_updates]
-            self._queue.clear()
-            self._weight_updates.clear()
-            self._wake.notify_all()
-        for item in waiting:
-            deliver(item.future, item.loop, error)
-
-    def _submit(self, queue: deque, item: Request | WeightUpdate) -> None:
-        with self._wake:
-            if self._closed:
-                raise GeneratorClosedError("the generator is closed")
-            queue.append(item)
-            if self._thread is None:
-                # Started lazily: a generator that is built and never used holds no thread.
-                self._thread = threading.Thread(target=self._work, name="HFGenerator", daemon=True)
-                self._thread.start()
-            self._wake.notify()
+        # The worker finishes its current forward, fails its rows, and exits.
+        await self._stop_worker()
 
     # ---- the worker thread -------------------------------------------------------------------
 
-    def _work(self) -> None:
-        try:
-            while True:
-                with self._wake:
-                    while not (self._closed or self._queue or self._weight_updates or self._batch.rows):
-                        self._wake.wait()
-                    if self._closed:
-                        return
-                    if self._batch.rows and any(u.between_requests for u in self._weight_updates):
-                        # Drain: the running samples finish under the old weights and nothing new
-                        # starts until the update is in; then every sample has a single version.
-                        updates, admitted = [], []
-                    else:
-                        updates = list(self._weight_updates)
-                        self._weight_updates.clear()
-                        admitted = self._take_admissible()
-                # Weights change only here, between two forwards: tokens sampled before this
-                # point carry the old version, tokens after it the new one.
-                for update in updates:
-                    self._apply_weights(update)
-                self._retire(
-                    self._batch.remove([i for i, r in enumerate(self._batch.rows) if r.request.cancelled])
-                )
-                if admitted:
-                    self._prefill(admitted)
-                if self._batch.rows:
-                    self._decode()
-        except BaseException as exc:  # a bug, not a model error: fail everything rather than hang callers
-            logger.exception("HFGenerator worker crashed")
-            self._shut(GeneratorClosedError(f"the generator worker crashed: {exc!r}"))
-        finally:
-            self._prefixes.clear()  # nothing outlives the worker: close() frees every kept cache
-            for row in self._batch.clear():
-                deliver(
-                    row.request.future, row.request.loop, GeneratorClosedError("the generator was closed")
-                )
+    def _is_busy(self) -> bool:
+        return bool(self._batch.rows)
 
-    def _take_admissible(self) -> list[Request]:
+    def _drop_cancelled(self) -> None:
+        self._retire(self._batch.remove([i for i, r in enumerate(self._batch.rows) if r.request.cancelled]))
+
+    def _apply_control(self, control: WeightUpdate) -> None:
+        self._apply_weights(control)
+
+    def _admit(self, requests: list[Request]) -> None:
+        self._prefill(requests)
+
+    def _step(self) -> None:
+        self._decode()
+
+    def _fail_running(self, error: GeneratorClosedError) -> None:
+        self._prefixes.clear()  # nothing outlives the worker: close() frees every kept cache
+        for row in self._batch.clear():
+            deliver(row.request.future, row.request.loop, error)
+
+    def _take_requests(self) -> list[Request]:
         """Pop the requests that can join the batch now (called with the lock held)."""
         if not self._queue or not (
             len(self._batch) == 0 or (self.continuous_batching and self._batch.can_admit_now)

@@ -54,7 +54,7 @@ from cookbook_lib.generators.base import (
     validate_prompt,
 )
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo
-from cookbook_lib.progress import progress_bar
+from cookbook_lib.runtime.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 

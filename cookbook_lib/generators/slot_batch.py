@@ -21,8 +21,8 @@ enough for every admitted row's prompt plus ``max_tokens`` (at most the model's 
 that would write past it doubles it. Growing the slots or the columns reallocates the buffers and
 drops the graphs; the buffers stay between batches (for the next one), until ``clear``.
 
-Prefill stays ``DecodeBatch``'s (one left-padded forward over a growing cache, its shapes vary
-anyway); admitted rows are then copied into their slots. On a CPU there are no graphs and this is
+Prefill is the one both batches share, ``PrefillBatch.admit`` (one left-padded forward, its
+shapes vary anyway); admitted rows are then copied into their slots. On a CPU there are no graphs and this is
 slower than the growing cache (docs/benchmarks.md), so ``HFGenerator`` uses it on CUDA only.
 """
 
@@ -37,7 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from cookbook_lib.generators import kv_cache
-from cookbook_lib.generators.batch import DecodeBatch, Row
+from cookbook_lib.generators.batch import PrefillBatch, Row
 from cookbook_lib.generators.prefix_cache import CachedPrefix
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ class StaticInputs:
         self.positions_S = torch.zeros(slots, dtype=torch.long, device=device)
 
 
-class SlotDecodeBatch(DecodeBatch):
-    """A ``DecodeBatch`` whose decode steps have fixed shapes (see the module docstring).
+class SlotDecodeBatch(PrefillBatch):
+    """A batch whose decode steps have fixed shapes (see the module docstring); it shares the
+    prefill with :class:`~cookbook_lib.generators.batch.DecodeBatch`.
 
     ``use_cuda_graphs`` (default: on for a CUDA device) captures each bucket's step once and
     replays it; if a capture fails, one warning is logged and every later step runs eagerly.
@@ -252,7 +253,7 @@ class SlotDecodeBatch(DecodeBatch):
 
     def clear(self) -> list[Row]:
         """Drop every row, the slots and the graphs (after an error, or on shutdown)."""
-        removed = super().clear()
+        removed = self._clear_rows()
         self._slots, self._shape, self._graph_pool, self._layer_shapes = None, None, None, []
         self._graphs.clear()
         self._columns_C = self._columns_C[:0]

@@ -55,9 +55,7 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +66,6 @@ import torch
 
 from cookbook_lib.generators.base import (
     FinishReason,
-    Generator,
     GeneratorClosedError,
     SampleResult,
     SamplingParams,
@@ -76,6 +73,7 @@ from cookbook_lib.generators.base import (
 )
 from cookbook_lib.generators.handoff import WeightUpdate, deliver
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo
+from cookbook_lib.generators.worker import WorkerGenerator
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -184,7 +182,7 @@ class _Power:
         return self.asleep
 
 
-class VLLMGenerator(Generator):
+class VLLMGenerator(WorkerGenerator):
     """Sampling from an in-process ``vllm.LLM``; build one with :meth:`from_model`.
 
     Args:
@@ -198,6 +196,9 @@ class VLLMGenerator(Generator):
             prefill with the others' decoding); it must be quick. Errors in it are logged.
         engine_dir: a folder to delete on ``close`` (``from_model``'s config and tokenizer copy).
     """
+
+    _worker_name = "VLLMGenerator"
+    _failure = "the vLLM engine failed"
 
     def __init__(
         self,
@@ -220,16 +221,10 @@ class VLLMGenerator(Generator):
         self._step_callback = step_callback
         self._engine_dir = Path(engine_dir) if engine_dir is not None else None
         self._ids = itertools.count()
-        self._version = 0
         self._asleep = False  # worker thread only, after construction
         self._running: dict[str, _Request] = {}  # worker thread only
         self._joined_tokens = 0  # prompt tokens admitted since the last step (worker thread only)
-        # Shared between the event loop and the worker, guarded by _wake.
-        self._wake = threading.Condition()
-        self._queue: deque[_Request] = deque()
-        self._controls: deque[WeightUpdate | _Power] = deque()
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self._init_worker()  # the request and control queues, shared with the worker
         self._label(0)
 
     @classmethod
@@ -291,15 +286,6 @@ class VLLMGenerator(Generator):
     # ---- the Generator interface -----------------------------------------------------------------
 
     @property
-    def policy_version(self) -> int:
-        return self._version
-
-    @property
-    def num_pending(self) -> int:
-        """Requests waiting to enter the engine."""
-        return len(self._queue)
-
-    @property
     def num_running(self) -> int:
         """Requests inside the engine (vLLM's own queue included)."""
         return len(self._running)
@@ -320,11 +306,7 @@ class VLLMGenerator(Generator):
         try:
             return await request.future
         except asyncio.CancelledError:
-            with self._wake:
-                request.cancelled = True  # the worker aborts it in the engine if it is there
-                if request in self._queue:
-                    self._queue.remove(request)
-                self._wake.notify()
+            self._withdraw(request)  # the worker aborts it in the engine if it is there
             raise
 
     async def update_weights(
@@ -353,11 +335,8 @@ class VLLMGenerator(Generator):
         return self._asleep
 
     async def close(self) -> None:
-        self._shut(GeneratorClosedError("the generator was closed"))
-        if self._thread is not None:
-            # The worker finishes its engine step, aborts and fails the running requests, and exits.
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+        # The worker finishes its engine step, aborts and fails the running requests, and exits.
+        await self._stop_worker()
         if self.llm is not None:
             self.llm = None
             await asyncio.to_thread(_release_engine)
@@ -373,69 +352,30 @@ class VLLMGenerator(Generator):
         self._submit(self._controls, order)
         await order.future
 
-    def _submit(self, queue: deque, item: _Request | WeightUpdate | _Power) -> None:
-        with self._wake:
-            if self._closed:
-                raise GeneratorClosedError("the generator is closed")
-            queue.append(item)
-            if self._thread is None:
-                # Started lazily, and from then on the only thread that touches the engine.
-                self._thread = threading.Thread(target=self._work, name="VLLMGenerator", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-
-    def _shut(self, error: GeneratorClosedError) -> None:
-        """Refuse new work and fail what waits in the queues (not the running requests) with ``error``."""
-        with self._wake:
-            self._closed = True
-            waiting = [*self._queue, *self._controls]
-            self._queue.clear()
-            self._controls.clear()
-            self._wake.notify_all()
-        for item in waiting:
-            deliver(item.future, item.loop, error)
-
     # ---- the worker thread ---------------------------------------------------------------------
 
-    def _work(self) -> None:
-        try:
-            while True:
-                with self._wake:
-                    while not (self._closed or self._queue or self._controls or self._running):
-                        self._wake.wait()
-                    if self._closed:
-                        return
-                    if self._running and any(c.between_requests for c in self._controls):
-                        # Drain: running requests finish under the old weights, nothing new starts.
-                        controls, admitted = [], []
-                    else:
-                        controls = list(self._controls)
-                        self._controls.clear()
-                        admitted = [r for r in self._queue if not r.cancelled]
-                        self._queue.clear()
-                    cancelled = [r.request_id for r in self._running.values() if r.cancelled]
-                if cancelled:
-                    self.llm.llm_engine.abort_request(cancelled)
-                    for request_id in cancelled:
-                        del self._running[request_id]
-                for control in controls:
-                    self._apply(control)
-                if admitted:
-                    self._admit(admitted)
-                if self._running:
-                    self._step()
-        except BaseException as exc:  # the engine failed: fail everything rather than hang callers
-            logger.exception("VLLMGenerator worker crashed")
-            self._shut(GeneratorClosedError(f"the vLLM engine failed: {exc!r}"))
-        finally:
-            running, self._running = list(self._running.values()), {}
-            if running and self.llm is not None:
-                try:
-                    self.llm.llm_engine.abort_request([r.request_id for r in running])
-                except Exception:  # the engine may be what failed
-                    logger.exception("could not abort the running vLLM requests")
-            for request in running:
-                deliver(request.future, request.loop, GeneratorClosedError("the generator was closed"))
+    def _is_busy(self) -> bool:
+        return bool(self._running)
+
+    def _drop_cancelled(self) -> None:
+        cancelled = [r.request_id for r in self._running.values() if r.cancelled]
+        if cancelled:
+            self.llm.llm_engine.abort_request(cancelled)
+            for request_id in cancelled:
+                del self._running[request_id]
+
+    def _apply_control(self, control: WeightUpdate | _Power) -> None:
+        self._apply(control)
+
+    def _fail_running(self, error: GeneratorClosedError) -> None:
+        running, self._running = list(self._running.values()), {}
+        if running and self.llm is not None:
+            try:
+                self.llm.llm_engine.abort_request([r.request_id for r in running])
+            except Exception:  # the engine may be what failed
+                logger.exception("could not abort the running vLLM requests")
+        for request in running:
+            deliver(request.future, request.loop, error)
 
     def _apply(self, control: WeightUpdate | _Power) -> None:
         try:

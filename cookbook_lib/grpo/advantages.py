@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from cookbook_lib.episode import EndCause, Episode
 from cookbook_lib.grpo.overlong import overlong_penalty
+from cookbook_lib.rollout.episode import EndCause, Episode
 
 
 def is_usable(episode: Episode) -> bool:

@@ -28,35 +28,34 @@ and PIPELINE's episodes whose tokens come from several versions, are weighted co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from cookbook_lib.codecs import Codec
 from cookbook_lib.envs.base import Task
-from cookbook_lib.episode import Episode
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.length_mix import TurnCounter, add_dropped_groups, group_turns
 from cookbook_lib.grpo.lockstep import (
-    StepOutcome,
     has_signal,
     sampling_params,
     stepped,
     tasks_for_step,
     train_on_groups,
 )
-from cookbook_lib.grpo.replicas import GeneratorReplicas
+from cookbook_lib.grpo.step import RunContext, StepOutcome, StepTimes
 from cookbook_lib.grpo.trainer import PolicyTrainer
-from cookbook_lib.progress import LiveProgress, tokens_status
-from cookbook_lib.rollout import EnvFactory, run_group
-from cookbook_lib.timeline import (
+from cookbook_lib.grpo.weight_sync import GeneratorReplicas
+from cookbook_lib.rollout.episode import Episode
+from cookbook_lib.rollout.play import EnvFactory, run_group
+from cookbook_lib.runtime.progress import LiveProgress, tokens_status
+from cookbook_lib.runtime.timeline import (
     SAMPLING,
     TRAINER_LANE,
-    TRAINING,
     WAITING,
-    WEIGHT_SYNC,
     Timeline,
     replica_lane,
 )
@@ -399,35 +398,29 @@ class AsyncGRPO:
                 live.done(int(signal))
                 await collector.expect(min(config.batch_size - with_signal, most - len(taken)))
         ages = [collector.trainer_version - group.start_version for group in taken]
-        sampled_at = time.perf_counter()
+        times = StepTimes(started=started, sampled_at=time.perf_counter())
         # On a worker thread: the event loop keeps stepping environments and feeding the generators.
         metrics = await asyncio.get_running_loop().run_in_executor(
             self._train_thread, train_on_groups, config, [g.episodes for g in taken], self.trainer
         )
-        trained_at = time.perf_counter()
-        timeline.add(TRAINER_LANE, TRAINING, sampled_at, trained_at)
+        times.trained_at = time.perf_counter()
         if stepped(metrics):
             version = self.replicas.version + 1
             await self.replicas.publish(self.trainer.export_weights(copy=self.replicas.deferred), version)
             await collector.advance(version)
-        synced_at = time.perf_counter()
-        timeline.add(TRAINER_LANE, WEIGHT_SYNC, trained_at, synced_at)
-        step_s = synced_at - started
+        times.synced_at = time.perf_counter()
+        times.record(timeline, waited=False)  # each wait for a group was recorded as it happened
+        metrics |= times.metrics(trainer_idle_s=wait_s)
         metrics |= {
-            "time/sampling_s": sampled_at - started,
-            "time/training_s": trained_at - sampled_at,
-            "time/weight_sync_s": synced_at - trained_at,
-            "time/step_s": step_s,
             "policy_version": float(self.replicas.version),
             "async/train_wait_s": wait_s,
-            "time/trainer_idle_fraction": wait_s / step_s if step_s else 0.0,
             "async/dropped_stale_groups": float(collector.dropped_stale - dropped_before),
             "async/requeued_groups": float(collector.requeued - requeued_before),
             "async/policy_age_mean": sum(ages) / len(ages) if ages else 0.0,
             "async/policy_age_max": float(max(ages, default=0)),
             "async/groups_in_flight": float(collector.num_in_flight),
             "async/groups_waiting": float(collector.num_finished),
-            "async/generator_busy_fraction": self._generator_busy_fraction(started, synced_at),
+            "async/generator_busy_fraction": self._generator_busy_fraction(started, times.synced_at),
         }
         add_dropped_groups(metrics, collector.pop_dropped_turns(), config.max_turns)
         return StepOutcome(step=step, metrics=metrics, episodes=[e for g in taken for e in g.episodes])
@@ -443,3 +436,41 @@ class AsyncGRPO:
             for i in range(self.replicas.size)
         ]
         return sum(fractions) / len(fractions)
+
+
+class AsyncLoop:
+    """Async GRPO as a :class:`~cookbook_lib.grpo.step.TrainingLoop`: the collector's workers play
+    groups all along; each step takes fresh ones, trains and publishes (:class:`AsyncGRPO`)."""
+
+    def __init__(self, context: RunContext, first_group_index: int = 0) -> None:
+        c = context
+        self.collector = RolloutCollector(
+            c.config, c.tasks, c.env_factory, c.replicas, c.codec, first_group_index=first_group_index
+        )
+        self.trainer_side = AsyncGRPO(c.config, self.collector, c.trainer, c.replicas, c.timeline)
+        self._sequential_validation = c.config.sequential_validation
+
+    async def step(self, step: int) -> StepOutcome:
+        return await self.trainer_side.step(step)
+
+    async def close(self) -> None:
+        # Cancel what is in flight first (each episode closes its environment), then the trainer.
+        await self.collector.stop()
+        await self.trainer_side.close()
+
+    @property
+    def groups_started(self) -> int:
+        return self.collector.next_group_index
+
+    @contextlib.asynccontextmanager
+    async def validation_pause(self) -> AsyncIterator[None]:
+        """With ``sequential_validation``, collection pauses (the groups in flight finish) so that
+        validation runs on its own, and resumes after."""
+        if not self._sequential_validation:
+            yield
+            return
+        await self.collector.pause()
+        try:
+            yield
+        finally:
+            await self.collector.resume()

@@ -26,30 +26,31 @@ import math
 import os
 import re
 import secrets
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Union
 from urllib.parse import urlparse
 
 import yaml
 
-# Kept equal to cookbook_lib.models.DEFAULT_MODEL (a test pins it); not imported from there
+from cookbook_lib.grpo.loss_settings import ImportanceRatioLevel, LossAggregation, LossType
+
+# Kept equal to cookbook_lib.runtime.models.DEFAULT_MODEL (a test pins it); not imported from there
 # because that module imports torch and transformers.
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # A chat prompt (system prompt, tool specs, one user turn) cannot fit in fewer tokens than this.
 MIN_PROMPT_TOKENS = 64
 
-LossAggregation = Literal["token_mean", "sequence_mean", "fixed_horizon"]
-ImportanceRatioLevel = Literal["token", "sequence"]
-LossType = Literal["ppo_clip", "cispo"]
 OnEnvError = Literal["end_episode", "raise"]
 GeneratorBackend = Literal["hf", "vllm"]
 GeneratorPlacement = Literal["local", "ray"]
 StaleGroups = Literal["prevent", "requeue", "drop"]
 FinalCheckpoint = Literal["full", "model"]
-# Spelling of GRPOConfig.device and .dtype; cookbook_lib/devices.py says what they mean and checks
+# Spelling of GRPOConfig.device and .dtype; cookbook_lib/runtime/devices.py says what they mean and checks
 # the machine has them (it imports torch, which this module must not).
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -78,6 +79,28 @@ class ConfigError(ValueError):
         super().__init__(f"GRPOConfig has {len(self.problems)} problem(s):\n{lines}")
 
 
+@dataclass(frozen=True)
+class Bound:
+    """A field's lowest value: ``low`` itself allowed unless ``strict``; ``note`` says how to fix it."""
+
+    low: float
+    strict: bool = False
+    note: str = ""
+
+
+def _setting(
+    default: Any, *, at_least: float | None = None, above: float | None = None, note: str = ""
+) -> Any:
+    """A field's default and, beside it, its bound (``validate`` checks it): ``at_least`` allows
+    the value itself, ``above`` does not. So a setting's type, default, bound and doc stand
+    together."""
+    if above is not None:
+        return field(default=default, metadata={"bound": Bound(above, strict=True, note=note)})
+    if at_least is not None:
+        return field(default=default, metadata={"bound": Bound(at_least, note=note)})
+    return field(default=default)
+
+
 def _default_run_name() -> str:
     # The random suffix keeps two runs started in the same second (tests, sweeps) apart, which
     # matters because resume="auto" would otherwise continue the other run.
@@ -95,27 +118,27 @@ class GRPOConfig:
     # --- the seed page's fields -----------------------------------------------------------
     model: str = DEFAULT_MODEL
     """Model name or local path; the default is the embedded SmolLM2-135M-Instruct (no hub)."""
-    batch_size: int = 4
+    batch_size: int = _setting(4, at_least=1)
     """Tasks per optimizer step; each contributes one group of ``episodes_per_task`` episodes."""
-    episodes_per_task: int = 8
+    episodes_per_task: int = _setting(8, at_least=2, note="GRPO needs a group to compare with; 8 is common")
     """Group size: episodes per task, the baseline of the group-relative advantage (at least 2)."""
-    num_steps: int = 20
+    num_steps: int = _setting(20, at_least=1)
     """Optimizer steps in the run (the seed's 200 is hours on a CPU)."""
-    validation_interval: int = 5
+    validation_interval: int = _setting(5, at_least=0, note="0 = validate only at the end")
     """Validate on ``val_tasks`` every this many steps, and at the end; 0 = only at the end."""
-    val_episodes_per_task: int = 1
+    val_episodes_per_task: int = _setting(1, at_least=1)
     """Episodes per validation task (more = a less noisy validation reward, slower)."""
-    max_turns: int = 6
+    max_turns: int = _setting(6, at_least=1)
     """Assistant turns before an episode is truncated with ``MAX_TURNS``."""
     max_model_length: int = 2048
     """Token limit of a whole conversation; filling it truncates with ``CONTEXT_OVERFLOW``."""
-    learning_rate: float = 2e-5
+    learning_rate: float = _setting(2e-5, above=0)
     """AdamW learning rate."""
     wandb_project: str | None = None
     """W&B project to log to; ``None`` = no W&B (the hosted page defaults to logging; see module doc)."""
     sequential_validation: bool = False
     """Run validation on its own (async collection paused) instead of overlapped with training."""
-    max_sampling_attempts: int = 1
+    max_sampling_attempts: int = _setting(1, at_least=1, note="1 = no resampling of zero-variance groups")
     """Rounds of groups a step may sample to replace zero-variance groups (1 = no resampling)."""
     overlong_masking: bool = False
     """Build no samples from truncated episodes; their rewards still count in the group baseline."""
@@ -123,7 +146,7 @@ class GRPOConfig:
     """Reward of an episode ended by a reply that could not be parsed (``PARSE_FAILURE``)."""
     use_lora: bool = False
     """Train LoRA adapters instead of full weights (on a CPU LoRA measured no faster, so off)."""
-    # --- where and in what precision (see cookbook_lib/devices.py) ----------------------------
+    # --- where and in what precision (see cookbook_lib/runtime/devices.py) ----------------------------
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``: where the run's models live."""
     dtype: DTypeName = "auto"
@@ -131,9 +154,11 @@ class GRPOConfig:
     weights); ``float16`` (fp16 sampling, fp32 training); ``auto``: bf16 on a GPU that has it, fp16 on
     one that has not, float32 on a CPU (where bf16 costs exact importance ratios; see devices.py)."""
     # --- async (max_steps_off_policy=None keeps lockstep) -----------------------------------
-    max_steps_off_policy: int | None = None
+    max_steps_off_policy: int | None = _setting(
+        None, at_least=0, note="None = lockstep; for async start with 1"
+    )
     """Oldest admissible group, in optimizer steps since its rollout started; None = lockstep."""
-    groups_in_flight: int | None = None
+    groups_in_flight: int | None = _setting(None, at_least=1, note="None = batch_size")
     """Groups collected concurrently; None = ``batch_size`` (see ``effective_groups_in_flight``)."""
     stale_groups: StaleGroups = "prevent"
     """How async keeps long episodes within ``max_steps_off_policy`` (without it, long groups go stale
@@ -144,7 +169,7 @@ class GRPOConfig:
     weights. ``drop``: the same, but the task is lost (trains fewest long episodes)."""
     weight_sync_type: WeightSyncType | str = WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
     """How weights reach the generators; the two deferred modes need ``max_steps_off_policy``."""
-    num_generator_replicas: int = 1
+    num_generator_replicas: int = _setting(1, at_least=1)
     """Generator copies serving rollouts; each receives every weight update."""
     generator_backend: GeneratorBackend = "hf"
     """Who samples: ``hf`` (transformers, CPU or GPU) or ``vllm`` (an in-process vLLM engine sharing the
@@ -162,7 +187,7 @@ class GRPOConfig:
     ray_address: str | None = None
     """With ``generator_placement="ray"``: the Ray cluster to join (``ray.init(address=...)``); None =
     ``RAY_ADDRESS`` if set, else a local Ray is started for the run and stopped after it."""
-    ray_cpus_per_replica: int = 1
+    ray_cpus_per_replica: int = _setting(1, at_least=1)
     """With ``generator_placement="ray"`` on a CPU: cores (and torch threads) of each replica's actor.
     1 measured fastest on a shared 2-core CPU (docs/benchmarks.md); raise it only on free cores."""
     # --- run directory, checkpoints ----------------------------------------------------------
@@ -170,9 +195,9 @@ class GRPOConfig:
     """Name of the run's directory ``runs_dir/run_name``; default: a timestamp and a random suffix."""
     runs_dir: str | Path = "runs"
     """Parent directory of all runs (stored as a string so the YAML stays plain)."""
-    checkpoint_interval: int = 10
+    checkpoint_interval: int = _setting(10, at_least=0, note="0 = checkpoint only at the end")
     """Save a checkpoint every this many steps, and at the end; 0 = only at the end."""
-    keep_last_checkpoints: int = 2
+    keep_last_checkpoints: int = _setting(2, at_least=1, note="a resume needs the newest checkpoint")
     """Checkpoints kept on disk, newest first; older ones are deleted once a newer one is complete.
     Each holds the weights and AdamW's two moments (three times the float32 weights: ~1.6 GB for
     the embedded 135M model). 1 keeps the least; a resume needs only the newest."""
@@ -196,11 +221,13 @@ class GRPOConfig:
     """An exception in the env (or inside the library's ModelPolicy) ends that episode (``ERROR``, kept
     for inspection) or stops the run."""
     # --- sampling ----------------------------------------------------------------------------
-    max_tokens_per_turn: int = 128
+    max_tokens_per_turn: int = _setting(128, at_least=1)
     """Sampling budget of one assistant turn (a tool call or an answer needs far fewer)."""
-    temperature: float = 1.0
+    temperature: float = _setting(
+        1.0, above=0, note="greedy episodes of a group are identical, so every advantage is 0; use 1.0"
+    )
     """Sampling temperature; must be > 0: greedy groups are identical and carry no signal."""
-    top_p: float = 1.0
+    top_p: float = _setting(1.0, above=0)
     """Nucleus sampling; 1 = the full distribution, which the importance ratio assumes."""
     enable_thinking: bool | None = None
     """Reasoning on (True) or off (False) in chat templates that have the switch (Qwen3, Qwen3.5+,
@@ -223,17 +250,17 @@ class GRPOConfig:
     """Ratio per token, or one per sequence, the geometric mean of the token ratios (GSPO)."""
     loss_aggregation: LossAggregation = "token_mean"
     """Mean over all tokens, mean of per-episode means, or sum / fixed horizon (Dr. GRPO, no length bias)."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = _setting(0.2, at_least=0)
     """Ratio clipped below at 1 - clip_ratio_low. (GSPO's paper uses ~3e-4 with sequence ratios.)"""
-    clip_ratio_high: float = 0.28
+    clip_ratio_high: float = _setting(0.28, at_least=0)
     """Ratio clipped above at 1 + clip_ratio_high; higher than low, as in DAPO ("clip-higher")."""
-    kl_coef: float = 0.0
+    kl_coef: float = _setting(0.0, at_least=0, note="0 = no KL penalty")
     """KL penalty to the starting model; 0 = none, and the reference model is then never loaded."""
     normalize_advantages_by_std: bool = True
     """Divide advantages by the group's reward std (GRPO); False as in Dr. GRPO."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = _setting(1.0, above=0, note="None = no clipping")
     """Clip the gradient to this global norm; None = no clipping."""
-    weight_decay: float = 0.0
+    weight_decay: float = _setting(0.0, at_least=0)
     """AdamW weight decay."""
     micro_batch_tokens: int = 2048
     """Token budget of one packed micro-batch; at least ``max_model_length`` so any episode fits."""
@@ -243,9 +270,9 @@ class GRPOConfig:
     to 72 KB per token of a micro-batch) for one more forward pass per step (~20-30 % of training
     time). False trades that memory back for speed."""
     # --- soft overlong penalty (DAPO) --------------------------------------------------------
-    overlong_buffer_tokens: int = 256
+    overlong_buffer_tokens: int = _setting(256, at_least=0, note="0 = no overlong penalty")
     """Length of the linear ramp before the limit: the penalty grows from 0 to the factor over it."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = _setting(1.0, at_least=0, note="0 = no overlong penalty")
     """Reward lost at the limit by CONTEXT_OVERFLOW and MAX_TURNS episodes (the seed's table); 0 = off."""
 
     def __post_init__(self) -> None:
@@ -284,10 +311,10 @@ class GRPOConfig:
         if unknown:
             raise ConfigError([_unknown_key(str(key), known) for key in unknown])
         values = dict(data)
-        for name, annotation in _NUMBERS.items():
+        for name, (number, _) in _NUMBERS.items():
             # PyYAML reads "2e-5" (no dot) as a string; accept it as a float. A string that is no
             # number is kept, for validate() to report with the field's name.
-            if annotation.startswith("float") and isinstance(values.get(name), str):
+            if number is float and isinstance(values.get(name), str):
                 with contextlib.suppress(ValueError):
                     values[name] = float(values[name])
         return cls(**values)
@@ -335,59 +362,54 @@ class GRPOConfig:
         return found
 
 
-# Derived from the annotations (strings, under `from __future__ import annotations`) so they
-# cannot drift from the fields.
-_NUMBERS = {f.name: f.type for f in fields(GRPOConfig) if f.type.split(" |")[0] in ("int", "float")}
-_BOOLS = tuple(f.name for f in fields(GRPOConfig) if f.type == "bool")
-_CHOICES: dict[str, tuple[object, ...]] = {
-    "loss_type": get_args(LossType),
-    "importance_ratio_level": get_args(ImportanceRatioLevel),
-    "loss_aggregation": get_args(LossAggregation),
-    "on_env_error": get_args(OnEnvError),
-    "weight_sync_type": tuple(WeightSyncType),
-    "resume": (True, False, "auto"),
-    "generator_backend": get_args(GeneratorBackend),
-    "generator_placement": get_args(GeneratorPlacement),
-    "stale_groups": get_args(StaleGroups),
-    "dtype": get_args(DTypeName),
-    "final_checkpoint": get_args(FinalCheckpoint),
-}
-# field -> (lowest value, whether the lowest value itself is excluded, what to know to fix it)
-_BOUNDS: dict[str, tuple[float, bool, str]] = {
-    "batch_size": (1, False, ""),
-    "episodes_per_task": (2, False, "GRPO needs a group to compare with; 8 is common"),
-    "num_steps": (1, False, ""),
-    "validation_interval": (0, False, "0 = validate only at the end"),
-    "val_episodes_per_task": (1, False, ""),
-    "max_turns": (1, False, ""),
-    "learning_rate": (0, True, ""),
-    "max_sampling_attempts": (1, False, "1 = no resampling of zero-variance groups"),
-    "max_steps_off_policy": (0, False, "None = lockstep; for async start with 1"),
-    "groups_in_flight": (1, False, "None = batch_size"),
-    "num_generator_replicas": (1, False, ""),
-    "ray_cpus_per_replica": (1, False, ""),
-    "checkpoint_interval": (0, False, "0 = checkpoint only at the end"),
-    "keep_last_checkpoints": (1, False, "a resume needs the newest checkpoint"),
-    "max_tokens_per_turn": (1, False, ""),
-    "temperature": (0, True, "greedy episodes of a group are identical, so every advantage is 0; use 1.0"),
-    "top_p": (0, True, ""),
-    "clip_ratio_low": (0, False, ""),
-    "clip_ratio_high": (0, False, ""),
-    "kl_coef": (0, False, "0 = no KL penalty"),
-    "max_grad_norm": (0, True, "None = no clipping"),
-    "weight_decay": (0, False, ""),
-    "overlong_buffer_tokens": (0, False, "0 = no overlong penalty"),
-    "overlong_penalty_factor": (0, False, "0 = no overlong penalty"),
-}
+# Everything validate() checks per field is read off the fields themselves (their resolved type
+# hints and their bounds), so a new setting is one field with its type, default, bound and doc.
+_HINTS = typing.get_type_hints(GRPOConfig)
+
+
+def _alternatives(hint: Any) -> tuple[Any, ...]:
+    return (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is Union
+        else (hint,)
+    )
+
+
+def _number_kind(hint: Any) -> tuple[type, bool] | None:
+    """``(int or float, whether None is allowed)`` for a numeric field, else None."""
+    options = _alternatives(hint)
+    numbers = [t for t in options if t in (int, float)]
+    if len(numbers) != 1 or any(t not in (int, float, type(None)) for t in options):
+        return None
+    return numbers[0], type(None) in options
+
+
+def _choices(hint: Any) -> tuple[object, ...] | None:
+    """The values a Literal (or enum) field admits, True and False too where it also takes a bool."""
+    found: list[object] = []
+    for option in _alternatives(hint):
+        if typing.get_origin(option) is Literal:
+            found += typing.get_args(option)
+        elif isinstance(option, type) and issubclass(option, enum.Enum):
+            found += list(option)
+        elif option is bool:
+            found += [True, False]
+    return tuple(found) if any(not isinstance(x, bool) for x in found) else None
+
+
+_NUMBERS = {name: kind for name, hint in _HINTS.items() if (kind := _number_kind(hint)) is not None}
+_BOOLS = tuple(name for name, hint in _HINTS.items() if hint is bool)
+_CHOICES = {name: choices for name, hint in _HINTS.items() if (choices := _choices(hint)) is not None}
+_BOUNDS: dict[str, Bound] = {f.name: f.metadata["bound"] for f in fields(GRPOConfig) if "bound" in f.metadata}
 
 
 def _type_problems(c: GRPOConfig) -> list[str]:
     out = []
-    for name, annotation in _NUMBERS.items():
+    for name, (number, optional) in _NUMBERS.items():
         value = getattr(c, name)
-        if value is None and annotation.endswith("| None"):
+        if value is None and optional:
             continue
-        is_int = annotation.startswith("int")
+        is_int = number is int
         ok = isinstance(value, int) if is_int else isinstance(value, int | float) and math.isfinite(value)
         if isinstance(value, bool) or not ok:
             out.append(f"{name} must be {'an integer' if is_int else 'a finite number'}, got {value!r}")
@@ -425,12 +447,12 @@ def _type_problems(c: GRPOConfig) -> list[str]:
 
 def _range_problems(c: GRPOConfig) -> list[str]:
     out = []
-    for name, (low, strict, note) in _BOUNDS.items():
+    for name, bound in _BOUNDS.items():
         value = getattr(c, name)
-        if value is not None and (value <= low if strict else value < low):
+        if value is not None and (value <= bound.low if bound.strict else value < bound.low):
             out.append(
-                f"{name} must be {'>' if strict else '>='} {low}, got {value}"
-                + (f" ({note})" if note else "")
+                f"{name} must be {'>' if bound.strict else '>='} {bound.low:g}, got {value}"
+                + (f" ({bound.note})" if bound.note else "")
             )
     if c.top_p > 1:
         out.append(f"top_p must be at most 1 (1 = the full distribution), got {c.top_p}")

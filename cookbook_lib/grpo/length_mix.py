@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cookbook_lib.envs.base import Env, StepResult, Task
-from cookbook_lib.episode import Episode
+from cookbook_lib.envs.wrappers import EnvWrapper
 from cookbook_lib.grpo.samples import TrainingSample
-from cookbook_lib.types import Message, ToolSpec
+from cookbook_lib.rollout.episode import Episode
+from cookbook_lib.types import Message
 
 PREFIX = "length/"
 TRAINED_EPISODES = "trained_episodes"
@@ -205,27 +206,14 @@ class TurnCounter:
         return lambda task: _CountedEnv(factory(task), self)
 
 
-class _CountedEnv(Env):
+class _CountedEnv(EnvWrapper):
     """Passes everything through to ``inner``; counts its steps into a :class:`TurnCounter`."""
 
     def __init__(self, inner: Env, counter: TurnCounter) -> None:
-        self.inner, self.counter, self.steps = inner, counter, 0
-
-    async def reset(self, task: Task) -> list[Message]:
-        return await self.inner.reset(task)
+        super().__init__(inner)
+        self.counter, self.steps = counter, 0
 
     async def step(self, message: Message) -> StepResult:
         self.steps += 1
         self.counter.steps = max(self.counter.steps, self.steps)
-        return await self.inner.step(message)
-
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        return self.inner.tool_specs
-
-    @property
-    def messages(self) -> list[Message]:
-        return self.inner.messages
-
-    async def close(self) -> None:
-        await self.inner.close()
+        return await super().step(message)

@@ -8,35 +8,28 @@ other way round; the async loop (:mod:`.async_loop`) overlaps them. Both train t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from cookbook_lib.codecs import Codec
 from cookbook_lib.envs.base import Task
-from cookbook_lib.episode import Episode
 from cookbook_lib.generators import SamplingParams
 from cookbook_lib.grpo.advantages import group_has_signal
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.length_mix import add_dropped_groups, trained_length_metrics
-from cookbook_lib.grpo.replicas import GeneratorReplicas
-from cookbook_lib.grpo.samples import TrainingSample, build_samples
-from cookbook_lib.grpo.trainer import LossSettings, PolicyTrainer
-from cookbook_lib.metrics import episode_stats
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.progress import LiveProgress, tokens_status
-from cookbook_lib.rollout import EnvFactory, run_group
-from cookbook_lib.timeline import TRAINER_LANE, TRAINING, WAITING, WEIGHT_SYNC, Timeline
-
-
-@dataclass
-class StepOutcome:
-    """One optimizer step: its metrics (the step log line) and the episodes it sampled."""
-
-    step: int
-    metrics: dict[str, float]
-    episodes: list[Episode] = field(repr=False)
+from cookbook_lib.grpo.loss_settings import LossSettings
+from cookbook_lib.grpo.samples import TrainingSample, build_samples, version_mix
+from cookbook_lib.grpo.step import RunContext, StepOutcome, StepTimes, no_pause
+from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.grpo.weight_sync import GeneratorReplicas
+from cookbook_lib.rollout.episode import Episode
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import EnvFactory, run_group
+from cookbook_lib.runtime.metrics import episode_stats
+from cookbook_lib.runtime.progress import LiveProgress, tokens_status
+from cookbook_lib.runtime.timeline import Timeline
 
 
 def sampling_params(config: GRPOConfig, codec: Codec) -> SamplingParams:
@@ -45,18 +38,6 @@ def sampling_params(config: GRPOConfig, codec: Codec) -> SamplingParams:
         top_p=config.top_p,
         max_tokens=config.max_tokens_per_turn,
         stop_token_ids=list(codec.stop_token_ids),
-    )
-
-
-def loss_settings(config: GRPOConfig) -> LossSettings:
-    return LossSettings(
-        loss_type=config.loss_type,
-        importance_ratio_level=config.importance_ratio_level,
-        aggregation=config.loss_aggregation,
-        clip_ratio_low=config.clip_ratio_low,
-        clip_ratio_high=config.clip_ratio_high,
-        kl_coef=config.kl_coef,
-        horizon=config.max_model_length,
     )
 
 
@@ -150,8 +131,11 @@ def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], tra
         # Train only on a full batch's worth of signal: at most batch_size trained groups.
         keep = set(batch.trained_group_indices[: config.batch_size])
         samples = [sample for sample in batch.samples if sample.group_index in keep]
-        metrics |= {f"train/{k}": v for k, v in trainer.grpo_step(samples, loss_settings(config)).items()}
+        metrics |= {
+            f"train/{k}": v for k, v in trainer.grpo_step(samples, LossSettings.from_config(config)).items()
+        }
     metrics["trained_groups"] = float(len(keep))
+    metrics |= {f"train/{k}": v for k, v in version_mix(samples).items()}
     # The length mix of what trained (lockstep's is the reference an async run is compared with).
     metrics |= trained_length_metrics(groups, samples, keep, config.max_turns)
     return metrics
@@ -185,27 +169,42 @@ async def lockstep_step(
         step,
         status=tokens_status(replicas.generators),
     )
-    sampled_at = time.perf_counter()
+    times = StepTimes(started=started, sampled_at=time.perf_counter())
     # A colocated vLLM engine frees its GPU memory for the optimizer step; publish wakes it.
     await replicas.sleep()
     metrics = train_on_groups(config, groups, trainer)
     metrics["sampling_attempts"] = float(attempts)
     add_dropped_groups(metrics, [], config.max_turns)  # lockstep drops nothing: zeros, for comparison
-    trained_at = time.perf_counter()
+    times.trained_at = time.perf_counter()
     if stepped(metrics):
         await replicas.publish(trainer.export_weights(), replicas.version + 1)
-    synced_at = time.perf_counter()
-    if timeline is not None:
-        timeline.add(TRAINER_LANE, WAITING, started, sampled_at)
-        timeline.add(TRAINER_LANE, TRAINING, sampled_at, trained_at)
-        timeline.add(TRAINER_LANE, WEIGHT_SYNC, trained_at, synced_at)
-    metrics |= {
-        "time/sampling_s": sampled_at - started,
-        "time/training_s": trained_at - sampled_at,
-        "time/weight_sync_s": synced_at - trained_at,
-        "time/step_s": synced_at - started,
-        # The trainer waits for the whole sampling phase: the idle time async training recovers.
-        "time/trainer_idle_fraction": (sampled_at - started) / (synced_at - started),
-        "policy_version": float(replicas.version),
-    }
+    times.synced_at = time.perf_counter()
+    times.record(timeline, waited=True)
+    # The trainer waits for the whole sampling phase: the idle time async training recovers.
+    metrics |= times.metrics(trainer_idle_s=times.sampled_at - times.started)
+    metrics["policy_version"] = float(replicas.version)
     return StepOutcome(step=step, metrics=metrics, episodes=[e for group in groups for e in group])
+
+
+class LockstepLoop:
+    """Lockstep GRPO as a :class:`~cookbook_lib.grpo.step.TrainingLoop`: each step samples its
+    groups, trains on them and publishes, and nothing runs between steps."""
+
+    def __init__(self, context: RunContext) -> None:
+        self.context = context
+
+    async def step(self, step: int) -> StepOutcome:
+        c = self.context
+        return await lockstep_step(
+            c.config, step, c.tasks, c.env_factory, c.trainer, c.replicas, c.codec, c.timeline
+        )
+
+    async def close(self) -> None:
+        pass  # nothing runs between steps
+
+    @property
+    def groups_started(self) -> int:
+        return 0  # a step's tasks are a function of (seed, step): nothing to resume
+
+    def validation_pause(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return no_pause()

@@ -19,14 +19,18 @@ verl does), so finite inputs never overflow into an infinite ratio and a NaN gra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-AggregationMode = Literal["token_mean", "sequence_mean", "fixed_horizon"]
-LossType = Literal["ppo_clip", "cispo"]
-RatioLevel = Literal["token", "sequence"]
+from cookbook_lib.grpo.loss_settings import (
+    ImportanceRatioLevel,
+    LossAggregation,
+    LossSettings,
+    LossType,
+)
+
 Metrics = dict[str, float]
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: far past any clip range, far from float32 overflow
 
@@ -59,14 +63,14 @@ class Aggregation:
     their gradients to its gradient). Left ``None``, they are counted in the batch at hand.
     """
 
-    mode: AggregationMode = "token_mean"
+    mode: LossAggregation = "token_mean"
     num_tokens_total: float | None = None
     num_sequences_total: float | None = None
     horizon: int | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in get_args(AggregationMode):
-            raise ValueError(f"unknown aggregation {self.mode!r}; choose one of {get_args(AggregationMode)}")
+        if self.mode not in get_args(LossAggregation):
+            raise ValueError(f"unknown aggregation {self.mode!r}; choose one of {get_args(LossAggregation)}")
         if self.mode == "fixed_horizon" and (self.horizon is None or self.horizon < 1):
             raise ValueError(f"fixed_horizon aggregation needs a positive horizon, got {self.horizon!r}")
         for name in ("num_tokens_total", "num_sequences_total"):
@@ -94,7 +98,7 @@ SEQUENCE_MEAN = Aggregation("sequence_mean")
 
 
 def log_importance_ratio(
-    logprobs_BT: Tensor, sampling_logprobs_BT: Tensor, mask_BT: Tensor, level: RatioLevel
+    logprobs_BT: Tensor, sampling_logprobs_BT: Tensor, mask_BT: Tensor, level: ImportanceRatioLevel
 ) -> Tensor:
     """log(pi / pi_sampling) per token, or GSPO's sequence ratio in its per-token form.
 
@@ -107,7 +111,9 @@ def log_importance_ratio(
     if level == "token":
         return log_ratio_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if level != "sequence":
-        raise ValueError(f"unknown importance ratio level {level!r}; choose one of {get_args(RatioLevel)}")
+        raise ValueError(
+            f"unknown importance ratio level {level!r}; choose one of {get_args(ImportanceRatioLevel)}"
+        )
     log_seq_ratio_B = masked_mean(log_ratio_BT, mask_BT, dim=-1).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return logprobs_BT - logprobs_BT.detach() + log_seq_ratio_B.detach().unsqueeze(-1)
 
@@ -120,7 +126,7 @@ def ppo_clip_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
-    level: RatioLevel = "token",
+    level: ImportanceRatioLevel = "token",
     aggregation: Aggregation = TOKEN_MEAN,
 ) -> tuple[Tensor, Metrics]:
     """PPO's clipped surrogate, ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``.
@@ -169,7 +175,7 @@ def cispo_loss(
     *,
     clip_low: float = 1.0,
     clip_high: float = 0.28,
-    level: RatioLevel = "token",
+    level: ImportanceRatioLevel = "token",
     aggregation: Aggregation = TOKEN_MEAN,
 ) -> tuple[Tensor, Metrics]:
     """CISPO (MiniMax-M1, arXiv:2506.13585): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A logp``.
@@ -238,40 +244,37 @@ def compute_loss(
     sampling_logprobs_BT: Tensor,
     advantages_BT: Tensor,
     mask_BT: Tensor,
+    settings: LossSettings = LossSettings(),  # noqa: B008 - frozen, so one shared default is safe
     *,
-    loss_type: LossType = "ppo_clip",
-    importance_ratio_level: RatioLevel = "token",
-    aggregation: AggregationMode = "token_mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
     num_tokens_total: float | None = None,
     num_sequences_total: float | None = None,
-    horizon: int | None = None,
     ref_logprobs_BT: Tensor | None = None,
-    kl_coef: float = 0.0,
 ) -> tuple[Tensor, Metrics]:
-    """The loss a config names (``GRPOConfig.loss_type`` etc.), plus the KL penalty when ``kl_coef > 0``.
+    """The loss ``settings`` name (``GRPOConfig.loss_type`` etc., as
+    :meth:`LossSettings.from_config` gathers them), plus the KL penalty when ``kl_coef > 0``.
 
-    GSPO is ``ppo_clip`` with ``importance_ratio_level="sequence"`` (use its clip ranges, see above).
+    ``num_tokens_total`` / ``num_sequences_total``: the whole step's counts, for gradient
+    accumulation (see :class:`Aggregation`). GSPO is ``ppo_clip`` with
+    ``importance_ratio_level="sequence"`` (use its clip ranges, see above).
     """
-    if loss_type not in get_args(LossType):
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {get_args(LossType)}")
-    if kl_coef > 0 and ref_logprobs_BT is None:
+    if settings.loss_type not in get_args(LossType):
+        raise ValueError(f"unknown loss_type {settings.loss_type!r}; choose one of {get_args(LossType)}")
+    if settings.kl_coef > 0 and ref_logprobs_BT is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs_BT (the starting model's log-probs)")
-    agg = Aggregation(aggregation, num_tokens_total, num_sequences_total, horizon)
-    loss_fn = ppo_clip_loss if loss_type == "ppo_clip" else cispo_loss
+    agg = Aggregation(settings.aggregation, num_tokens_total, num_sequences_total, settings.horizon)
+    loss_fn = ppo_clip_loss if settings.loss_type == "ppo_clip" else cispo_loss
     inputs_BT = (logprobs_BT, sampling_logprobs_BT, advantages_BT, mask_BT)
     loss, metrics = loss_fn(
         *inputs_BT,
-        clip_low=clip_ratio_low,
-        clip_high=clip_ratio_high,
-        level=importance_ratio_level,
+        clip_low=settings.clip_ratio_low,
+        clip_high=settings.clip_ratio_high,
+        level=settings.importance_ratio_level,
         aggregation=agg,
     )
     metrics["policy_loss"] = loss.item()
-    if kl_coef > 0 and ref_logprobs_BT is not None:
+    if settings.kl_coef > 0 and ref_logprobs_BT is not None:
         kl_loss, kl_metrics = kl_penalty(
-            logprobs_BT, ref_logprobs_BT, mask_BT, kl_coef=kl_coef, aggregation=agg
+            logprobs_BT, ref_logprobs_BT, mask_BT, kl_coef=settings.kl_coef, aggregation=agg
         )
         loss, metrics = loss + kl_loss, metrics | kl_metrics
     metrics["loss"] = loss.item()

@@ -27,7 +27,7 @@ token sequence), against ``max_model_length``.
 
 from __future__ import annotations
 
-from cookbook_lib.episode import Episode
+from cookbook_lib.rollout.episode import Episode
 
 
 def context_length(episode: Episode) -> int:

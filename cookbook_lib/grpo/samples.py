@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cookbook_lib.episode import EndCause, Episode
 from cookbook_lib.grpo.advantages import group_advantages, is_usable, is_zero_variance, shaped_rewards
+from cookbook_lib.rollout.episode import EndCause, Episode
 
 
 @dataclass
@@ -168,6 +168,28 @@ def build_samples(
                     )
                 )
     return SampleBatch(samples=samples, trained_group_indices=trained, stats=stats)
+
+
+def version_mix(samples: Sequence[TrainingSample]) -> dict[str, float]:
+    """How many policy versions sampled what a step trains: ``newer_version_tokens``, the trained
+    tokens sampled by a newer version than their sample's first trained token (weights that
+    changed while an episode played), and ``mixed_version_replies``, the replies (runs of sampled
+    tokens) whose tokens come from more than one version (``WEIGHT_SYNC_TYPE_PIPELINE`` switches
+    weights between two decode steps). Both are 0 in lockstep."""
+    newer = mixed = 0
+    for sample in samples:
+        trained = [v for v, m in zip(sample.policy_versions_T, sample.loss_mask_T, strict=True) if m]
+        if trained:
+            newer += sum(version > trained[0] for version in trained)
+        reply: set[int] = set()
+        for version, is_loss in zip(sample.policy_versions_T, sample.loss_mask_T, strict=True):
+            if is_loss:
+                reply.add(version)
+            elif reply:
+                mixed += len(reply) > 1
+                reply = set()
+        mixed += len(reply) > 1
+    return {"newer_version_tokens": float(newer), "mixed_version_replies": float(mixed)}
 
 
 def pack_micro_batches(samples: Sequence[TrainingSample], token_budget: int) -> list[list[TrainingSample]]:

@@ -5,7 +5,7 @@ or resume, with the settings changed), ``metrics.jsonl`` (one line per step, ste
 is the validation before training), ``episodes/step_*.jsonl``, ``checkpoints/``, the warm-started
 model when there was a warm-start, ``training_curves.html``, and ``timeline.jsonl`` (when the
 generators sampled, environments stepped, and the trainer trained, synced weights or waited; see
-:mod:`cookbook_lib.timeline`). ``max_steps_off_policy`` set makes the run async
+:mod:`cookbook_lib.runtime.timeline`). ``max_steps_off_policy`` set makes the run async
 (:mod:`cookbook_lib.grpo.async_loop`); otherwise it is lockstep (:mod:`cookbook_lib.grpo.lockstep`).
 Rerunning a killed run with the same ``run_name`` resumes from its last checkpoint (``resume="auto"``);
 rerunning a finished one with a larger ``num_steps`` extends it. Which settings may change on a
@@ -28,36 +28,49 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from cookbook_lib.asyncio_utils import run_sync
-from cookbook_lib.checkpoint import (
+from cookbook_lib.codecs import Codec, make_codec
+from cookbook_lib.envs.base import Env, StepResult, Task
+from cookbook_lib.generators.base import Generator
+from cookbook_lib.generators.factory import make_generator
+from cookbook_lib.generators.ray_replicas import RayReplicaPool
+from cookbook_lib.generators.vllm import check_vllm_available
+from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.lockstep import sampling_params
+from cookbook_lib.grpo.loops import make_loop
+from cookbook_lib.grpo.resume_rules import CONFIG_FILE, check_resume, record_config
+from cookbook_lib.grpo.sft import WarmStart, train_sft
+from cookbook_lib.grpo.step import RunContext, StepOutcome, TrainingLoop
+from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.grpo.weight_sync import GeneratorReplicas
+from cookbook_lib.rollout.evaluate import evaluate_policy_async
+from cookbook_lib.rollout.play import EnvFactory
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.checkpoint import (
     checkpoint_step,
     delete_folder,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from cookbook_lib.codecs import Codec, make_codec
-from cookbook_lib.devices import Precision, check_precision, sampling_copy
-from cookbook_lib.envs.base import Env, StepResult, Task
-from cookbook_lib.evaluate import evaluate_policy_async
-from cookbook_lib.generators.base import Generator
-from cookbook_lib.generators.factory import make_generator
-from cookbook_lib.generators.ray_replicas import RayReplicaPool
-from cookbook_lib.generators.vllm import check_vllm_available
-from cookbook_lib.grpo.async_loop import AsyncGRPO, RolloutCollector
-from cookbook_lib.grpo.config import GRPOConfig
-from cookbook_lib.grpo.lockstep import StepOutcome, lockstep_step, sampling_params
-from cookbook_lib.grpo.replicas import GeneratorReplicas
-from cookbook_lib.grpo.resume_rules import CONFIG_FILE, check_resume, record_config
-from cookbook_lib.grpo.trainer import PolicyTrainer
-from cookbook_lib.memory import release_memory
-from cookbook_lib.metrics import MetricsLogger, dump_episodes, episode_stats, read_metrics, truncate_metrics
-from cookbook_lib.models import load_model, load_tokenizer
-from cookbook_lib.progress import progress_bar, tokens_status
-from cookbook_lib.quiet import quiet_libraries
-from cookbook_lib.rollout import EnvFactory
-from cookbook_lib.sft import WarmStart, train_sft
-from cookbook_lib.timeline import TRAINER_LANE, VALIDATION, Timeline, generator_step_recorder, replica_lane
+from cookbook_lib.runtime.devices import Precision, check_precision, sampling_copy
+from cookbook_lib.runtime.memory import release_memory
+from cookbook_lib.runtime.metrics import (
+    MetricsLogger,
+    dump_episodes,
+    episode_stats,
+    read_metrics,
+    truncate_metrics,
+)
+from cookbook_lib.runtime.models import load_model, load_tokenizer
+from cookbook_lib.runtime.progress import progress_bar, tokens_status
+from cookbook_lib.runtime.quiet import quiet_libraries
+from cookbook_lib.runtime.timeline import (
+    TRAINER_LANE,
+    VALIDATION,
+    Timeline,
+    generator_step_recorder,
+    replica_lane,
+)
 from cookbook_lib.types import Message, ToolSpec
 
 logger = logging.getLogger(__name__)
@@ -148,6 +161,8 @@ async def _train(
     warm_start: WarmStart | None,
     on_step: StepCallback | None,
 ) -> TrainResult:
+    """Load the tokenizer (and check its template), the model, warm-start it, start the replicas,
+    then run the steps (:func:`_run_steps`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if config.resume else None
     # config.yaml: this start's config; config_history.jsonl: what changed since the last start.
@@ -170,44 +185,72 @@ async def _train(
     timeline = Timeline()
     replicas, ray_pool = _make_replicas(config, model, tokenizer, precision, timeline)
     try:
-        return await _train_with(
-            config,
-            run_dir,
-            checkpoint,
-            model,
-            tokenizer,
-            codec,
-            precision,
-            timeline,
-            replicas,
-            tasks,
-            env_factory,
-            val_tasks,
-            on_step,
-        )
+        trainer = _make_trainer(config, model, tokenizer, precision)
+        context = RunContext(config, tasks, env_factory, trainer, replicas, codec, timeline)
+        return await _run_steps(context, run_dir, checkpoint, tokenizer, val_tasks, on_step)
     finally:
         if ray_pool is not None:
             ray_pool.shutdown()
 
 
-async def _train_with(
-    config: GRPOConfig,
+async def _run_steps(
+    context: RunContext,
     run_dir: Path,
     checkpoint: Path | None,
-    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    codec: Codec,
-    precision: Precision,
-    timeline: Timeline,
-    replicas: GeneratorReplicas,
-    tasks: list[Task],
-    env_factory: EnvFactory,
     val_tasks: Sequence[Task] | None,
     on_step: StepCallback | None,
 ) -> TrainResult:
+    """Resume, then validate at step 0 and step, log, checkpoint and validate until ``num_steps``."""
+    config, trainer, replicas, timeline = context.config, context.trainer, context.replicas, context.timeline
+    start_step, first_group_index = await _resume(checkpoint, run_dir, context)
+    loop = make_loop(context, first_group_index)
+    validator = _Validator(context, val_tasks, loop)
+    # Lines after the checkpoint (all of them, without one) are redone: nothing is logged twice.
+    truncate_metrics(run_dir, start_step if checkpoint is not None else -1)
+    log = MetricsLogger(
+        run_dir, wandb_project=config.wandb_project, run_name=config.run_name, config=config.to_dict()
+    )
+    try:
+        if start_step == 0:
+            metrics = await validator.run() if val_tasks else {}
+            log.log(0, metrics)
+            _print_step(0, config.num_steps, metrics)
+            _notify(on_step, StepOutcome(step=0, metrics=metrics, episodes=[]))
+        for step in range(start_step + 1, config.num_steps + 1):
+            outcome = await loop.step(step)
+            last = step == config.num_steps
+            if val_tasks and (
+                last or (config.validation_interval and step % config.validation_interval == 0)
+            ):
+                outcome.metrics |= await validator.run()
+            log.log(step, outcome.metrics)
+            dump_episodes(run_dir, step, outcome.episodes)
+            if last or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
+                model_only = last and config.final_checkpoint == "model"
+                _save(run_dir, step, context, tokenizer, loop.groups_started, model_only)
+                timeline.save(run_dir / TIMELINE_FILE)
+            _print_step(step, config.num_steps, outcome.metrics)
+            _notify(on_step, outcome)
+            release_memory()  # validation's KV caches, the checkpoint's buffers: back to the system
+    finally:
+        # Cancel what is in flight first (each episode closes its environment), then the generators.
+        await loop.close()
+        log.close()
+        await replicas.close()
+        timeline.save(run_dir / TIMELINE_FILE)
+    _drop_warm_start_if_unneeded(run_dir, config)
+    metrics_by_step = read_metrics(run_dir)
+    _write_curves(run_dir, metrics_by_step)
+    return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
+
+
+def _make_trainer(
+    config: GRPOConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, precision: Precision
+) -> PolicyTrainer:
     # float32 like the trained weights: its forwards run under the same autocast and fp32 head.
     reference = copy.deepcopy(model).eval() if config.kl_coef > 0 and not config.use_lora else None
-    trainer = PolicyTrainer(
+    return PolicyTrainer(
         model,
         pad_token_id=tokenizer.pad_token_id,
         learning_rate=config.learning_rate,
@@ -222,70 +265,23 @@ async def _train_with(
         precision=precision,
         activation_checkpointing=config.activation_checkpointing,
     )
-    start_step, first_group_index = 0, 0
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, model=trainer.model, optimizer=trainer.optimizer)
-        start_step = state.step
-        first_group_index = int(state.extra_state.get("groups_started", 0))
-        await replicas.load_everywhere(trainer.export_weights(), int(state.extra_state["policy_version"]))
-        print(f"resumed {run_dir} after step {start_step}")
-        if not state.optimizer_restored and start_step < config.num_steps:
-            print(
-                f"{state.path.name} holds the model only (final_checkpoint='model'): "
-                "AdamW restarts from zero moments, so the extension is not what one longer run would train"
-            )
-    collector: RolloutCollector | None = None
-    if config.is_async:
-        collector = RolloutCollector(
-            config, tasks, env_factory, replicas, codec, first_group_index=first_group_index
+
+
+async def _resume(checkpoint: Path | None, run_dir: Path, context: RunContext) -> tuple[int, int]:
+    """The step a run continues after and where its stream of groups resumes: (0, 0) when it
+    starts afresh; else the checkpoint's, its weights and optimizer loaded and published."""
+    if checkpoint is None:
+        return 0, 0
+    trainer, replicas = context.trainer, context.replicas
+    state = load_checkpoint(checkpoint, model=trainer.model, optimizer=trainer.optimizer)
+    await replicas.load_everywhere(trainer.export_weights(), int(state.extra_state["policy_version"]))
+    print(f"resumed {run_dir} after step {state.step}")
+    if not state.optimizer_restored and state.step < context.config.num_steps:
+        print(
+            f"{state.path.name} holds the model only (final_checkpoint='model'): "
+            "AdamW restarts from zero moments, so the extension is not what one longer run would train"
         )
-        async_grpo = AsyncGRPO(config, collector, trainer, replicas, timeline)
-    validator = _Validator(config, val_tasks, env_factory, replicas, codec, collector, timeline)
-    # Lines after the checkpoint (all of them, without one) are redone: nothing is logged twice.
-    truncate_metrics(run_dir, start_step if checkpoint is not None else -1)
-    log = MetricsLogger(
-        run_dir, wandb_project=config.wandb_project, run_name=config.run_name, config=config.to_dict()
-    )
-    try:
-        if start_step == 0:
-            metrics = await validator.run() if val_tasks else {}
-            log.log(0, metrics)
-            _print_step(0, config.num_steps, metrics)
-            _notify(on_step, StepOutcome(step=0, metrics=metrics, episodes=[]))
-        for step in range(start_step + 1, config.num_steps + 1):
-            if collector is not None:
-                outcome = await async_grpo.step(step)
-            else:
-                outcome = await lockstep_step(
-                    config, step, tasks, env_factory, trainer, replicas, codec, timeline
-                )
-            last = step == config.num_steps
-            if val_tasks and (
-                last or (config.validation_interval and step % config.validation_interval == 0)
-            ):
-                outcome.metrics |= await validator.run()
-            log.log(step, outcome.metrics)
-            dump_episodes(run_dir, step, outcome.episodes)
-            if last or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
-                groups_started = collector.next_group_index if collector is not None else 0
-                model_only = last and config.final_checkpoint == "model"
-                _save(run_dir, step, trainer, tokenizer, replicas.version, groups_started, config, model_only)
-                timeline.save(run_dir / TIMELINE_FILE)
-            _print_step(step, config.num_steps, outcome.metrics)
-            _notify(on_step, outcome)
-            release_memory()  # validation's KV caches, the checkpoint's buffers: back to the system
-    finally:
-        # Cancel what is in flight first (each episode closes its environment), then the generators.
-        if collector is not None:
-            await collector.stop()
-            await async_grpo.close()
-        log.close()
-        await replicas.close()
-        timeline.save(run_dir / TIMELINE_FILE)
-    _drop_warm_start_if_unneeded(run_dir, config)
-    metrics_by_step = read_metrics(run_dir)
-    _write_curves(run_dir, metrics_by_step)
-    return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
+    return state.step, int(state.extra_state.get("groups_started", 0))
 
 
 def _make_replicas(
@@ -412,51 +408,35 @@ def _run_warm_start(
 class _Validator:
     """Validation on ``val_tasks`` with the newest weights, on replica 0.
 
-    In an async run it first waits for the newest weights to reach the replicas; with
-    ``sequential_validation`` it also pauses rollout collection (letting the groups in flight
-    finish) so validation runs on its own, and resumes collection after.
+    It first waits for the newest weights to reach the replicas (an async run may still be
+    publishing), and runs inside the loop's validation pause (with ``sequential_validation`` an
+    async run lets the groups in flight finish and collects nothing until validation is done).
     """
 
-    def __init__(
-        self,
-        config: GRPOConfig,
-        val_tasks: Sequence[Task] | None,
-        env_factory: EnvFactory,
-        replicas: GeneratorReplicas,
-        codec: Codec,
-        collector: RolloutCollector | None,
-        timeline: Timeline,
-    ) -> None:
-        self.config, self.val_tasks, self.env_factory = config, val_tasks, env_factory
-        self.replicas, self.codec, self.collector, self.timeline = replicas, codec, collector, timeline
+    def __init__(self, context: RunContext, val_tasks: Sequence[Task] | None, loop: TrainingLoop) -> None:
+        self.context, self.val_tasks, self.loop = context, val_tasks, loop
 
     async def run(self) -> dict[str, float]:
-        config, collector = self.config, self.collector
+        config, replicas, codec = self.context.config, self.context.replicas, self.context.codec
         assert self.val_tasks
-        pause = collector is not None and config.sequential_validation
-        if pause:
-            await collector.pause()
-        started = time.perf_counter()  # after the pause: the span is validation alone
-        try:
-            await self.replicas.flush()
-            policy_factory = self.replicas.policy_factory(
-                0, self.codec, sampling_params(config, self.codec), config.max_model_length
+        async with self.loop.validation_pause():
+            started = time.perf_counter()  # after the pause: the span is validation alone
+            await replicas.flush()
+            policy_factory = replicas.policy_factory(
+                0, codec, sampling_params(config, codec), config.max_model_length
             )
             report = await evaluate_policy_async(
                 policy_factory,
                 self.val_tasks,
-                self.env_factory,
+                self.context.env_factory,
                 episodes_per_task=config.val_episodes_per_task,
                 max_turns=config.max_turns,
                 on_env_error=config.on_env_error,
                 failed_parse_reward=config.failed_parse_reward,
                 progress="validation",
-                progress_status=tokens_status(self.replicas.generators[:1]),
+                progress_status=tokens_status(replicas.generators[:1]),
             )
-        finally:
-            if pause:
-                await collector.resume()
-        self.timeline.add(TRAINER_LANE, VALIDATION, started, time.perf_counter())
+        self.context.timeline.add(TRAINER_LANE, VALIDATION, started, time.perf_counter())
         metrics = episode_stats(report.episodes, prefix="val/")
         metrics |= {f"val/pass@{k}": v for k, v in report.pass_at_k.items()}
         metrics["val/time_s"] = report.wall_time_s
@@ -466,21 +446,24 @@ class _Validator:
 def _save(
     run_dir: Path,
     step: int,
-    trainer: PolicyTrainer,
+    context: RunContext,
     tokenizer: PreTrainedTokenizerBase,
-    policy_version: int,
     groups_started: int,
-    config: GRPOConfig,
     model_only: bool,
 ) -> None:
     # groups_started: where an async run's stream of groups resumes (groups in flight are redone).
     # The tokenizer goes with the weights, so every checkpoint's model/ is a complete model folder.
+    config, trainer = context.config, context.trainer
     save_checkpoint(
         run_dir,
         step,
         model=trainer.model,
         optimizer=None if model_only else trainer.optimizer,
-        extra_state={"policy_version": policy_version, "groups_started": groups_started, "seed": config.seed},
+        extra_state={
+            "policy_version": context.replicas.version,
+            "groups_started": groups_started,
+            "seed": config.seed,
+        },
         keep_last=1 if model_only else config.keep_last_checkpoints,
         tokenizer=tokenizer,
     )
@@ -516,7 +499,7 @@ def _print_step(step: int, num_steps: int, metrics: dict[str, float]) -> None:
 
 def _write_curves(run_dir: Path, metrics: list[dict[str, Any]]) -> None:
     try:
-        from cookbook_lib.training_plots import training_curves_figure
+        from cookbook_lib.display.training_plots import training_curves_figure
 
         training_curves_figure(metrics).write_html(run_dir / "training_curves.html", include_plotlyjs=True)
     except Exception as exc:  # a plot must never fail a finished run

@@ -8,7 +8,7 @@ step, leaving the weights untouched, and says so in the step's metrics.
 Log-probs are computed from ``logits / temperature``: the generator reports the sampled tokens'
 log-probs under the same tempered distribution, so the importance ratio starts at 1.
 
-Precision (``cookbook_lib.devices``): the weights and AdamW's state stay float32; with a bf16
+Precision (``cookbook_lib.runtime.devices``): the weights and AdamW's state stay float32; with a bf16
 policy the forward and backward run under autocast, and the logits are upcast to float32 before
 any log-softmax, so the loss itself is always computed in float32.
 """
@@ -18,35 +18,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from cookbook_lib.devices import Precision, autocast
-from cookbook_lib.episode import EndCause, TokenSequence
+from cookbook_lib.grpo.loss_settings import LossSettings
 from cookbook_lib.grpo.losses import compute_loss, entropy_from_logits, masked_sum, token_logprobs
 from cookbook_lib.grpo.samples import TrainingSample, collate, pack_micro_batches
-from cookbook_lib.memory import large_blocks_mapped, release_memory
-from cookbook_lib.progress import progress_bar
-from cookbook_lib.quiet import quiet_libraries
+from cookbook_lib.rollout.episode import EndCause, TokenSequence
+from cookbook_lib.runtime.devices import Precision, autocast
+from cookbook_lib.runtime.memory import large_blocks_mapped, release_memory
+from cookbook_lib.runtime.progress import progress_bar
+from cookbook_lib.runtime.quiet import quiet_libraries
 
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The loss a GRPO step minimises (see :func:`cookbook_lib.grpo.losses.compute_loss`)."""
-
-    loss_type: str = "ppo_clip"
-    importance_ratio_level: str = "token"
-    aggregation: str = "token_mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    kl_coef: float = 0.0
-    horizon: int = 2048  # the fixed horizon of Dr. GRPO's aggregation
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
@@ -163,16 +150,10 @@ class PolicyTrainer:
                 batch["sampling_logprobs"],
                 batch["advantages"],
                 batch["loss_mask"],
-                loss_type=settings.loss_type,
-                importance_ratio_level=settings.importance_ratio_level,
-                aggregation=settings.aggregation,
-                clip_ratio_low=settings.clip_ratio_low,
-                clip_ratio_high=settings.clip_ratio_high,
+                settings,
                 num_tokens_total=num_tokens,
                 num_sequences_total=num_sequences,
-                horizon=settings.horizon,
                 ref_logprobs_BT=reference_BT,
-                kl_coef=settings.kl_coef,
             )
             return loss, metrics
 

@@ -8,7 +8,7 @@ two facts, naming the fact keys (tiers 1 and 2) or describing the facts in words
 Scoring rule
 ------------
 The episode ends when the model replies without a tool call. That final reply is compared
-numerically with ``task.target`` by :func:`cookbook_lib.scoring.numbers_match`: after stripping
+numerically with ``task.target`` by :func:`cookbook_lib.envs.scoring.numbers_match`: after stripping
 spaces, ``"42"``, ``"42.0"`` and ``" 42 "`` all match a target of 42, while ``"41"``,
 ``"forty-two"``, ``"42 apples"`` or an empty reply do not. The reward is 1.0 for a match and 0.0
 otherwise, so it always lies in [0, 1]. An episode ended by a tool asking to stop
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cookbook_lib.envs import Task, Tool, ToolEnv
-from cookbook_lib.scoring import numbers_match
+from cookbook_lib.envs.scoring import numbers_match
 from cookbook_lib.types import Message
 from envs.math_env import CalculatorTool
 from envs.tool_use_game.facts import FactBook

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cookbook_lib.envs import TOOL_ERROR_PREFIX, Task
-from cookbook_lib.scoring import parse_number
+from cookbook_lib.envs.scoring import parse_number
 from cookbook_lib.types import Message, ToolSpec, make_tool_call
 from envs.tool_use_game.tasks import load_tool_use_game_tasks
 from envs.tool_use_game.tools import format_value

@@ -9,8 +9,8 @@ import argparse
 import dataclasses
 
 from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.sft import expert_warm_start
 from cookbook_lib.grpo.train import TrainResult, train_multi_turn
-from cookbook_lib.sft import expert_warm_start
 from envs.experts import math_expert
 from envs.math_env import MathEnv, load_math_tasks
 from recipes.device_flags import add_device_flags, device_overrides

@@ -12,9 +12,9 @@ import argparse
 import dataclasses
 
 from cookbook_lib.envs import Task
+from cookbook_lib.envs.scoring import numbers_match
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.train import TrainResult, train_single_turn
-from cookbook_lib.scoring import numbers_match
 from envs.math_env import load_math_tasks
 from recipes.device_flags import add_device_flags, device_overrides
 

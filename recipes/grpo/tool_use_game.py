@@ -17,9 +17,10 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
+from cookbook_lib.envs.base import Task
 from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.sft import WarmStart, expert_warm_start
 from cookbook_lib.grpo.train import TrainResult, train_multi_turn
-from cookbook_lib.sft import expert_warm_start
 from envs.tool_use_game import ToolUseGameEnv, load_tool_use_game_tasks, make_tool_use_game_expert
 from recipes.device_flags import add_device_flags
 
@@ -58,6 +59,38 @@ def demo_config(**overrides) -> GRPOConfig:
 
 
 SMALL_OVERRIDES = dict(batch_size=1, episodes_per_task=2, num_steps=1, max_tokens_per_turn=16, max_turns=2)
+
+
+@dataclasses.dataclass
+class DemoSetup:
+    """The demo's tasks and warm-start, as the recipe and notebooks 03 and 04 use them."""
+
+    train_tasks: list[Task]
+    val_tasks: list[Task]
+    warm_start: WarmStart
+
+
+def demo_setup(
+    tiers: str = DEMO_TIERS, *, val_tasks: int, warm_start_demos: int, warm_start_steps: int, seed: int
+) -> DemoSetup:
+    """GRPO trains and validates on the task tiers ``tiers`` ("1", "1,2"; at most ``val_tasks``
+    validation tasks), after a warm-start on ``warm_start_demos`` expert episodes drawn from every
+    tier: it shows the whole format (``list_fact_keys`` included), whatever GRPO trains on."""
+    wanted = {int(tier) for tier in tiers.split(",")}
+    all_train_tasks = load_tool_use_game_tasks("train")
+    warm_start = expert_warm_start(
+        all_train_tasks,
+        lambda task: ToolUseGameEnv(),
+        make_tool_use_game_expert,
+        num_demonstrations=warm_start_demos,
+        steps=warm_start_steps,
+        seed=seed,
+    )
+    return DemoSetup(
+        train_tasks=[t for t in all_train_tasks if t.metadata["tier"] in wanted],
+        val_tasks=[t for t in load_tool_use_game_tasks("val") if t.metadata["tier"] in wanted][:val_tasks],
+        warm_start=warm_start,
+    )
 
 
 def make_parser(doc: str = __doc__) -> argparse.ArgumentParser:
@@ -120,25 +153,19 @@ def main(
 ) -> TrainResult:
     """Parse the flags, warm-start on expert episodes, train; the lockstep and async recipes share it."""
     config, args = parse_config(argv, base_config=base_config, parser=parser)
-    tiers = {int(tier) for tier in args.tiers.split(",")}
-    all_train_tasks = load_tool_use_game_tasks("train")
-    train_tasks = [t for t in all_train_tasks if t.metadata["tier"] in tiers]
-    val_tasks = [t for t in load_tool_use_game_tasks("val") if t.metadata["tier"] in tiers][: args.val_tasks]
-    # The warm-start shows every tier (the whole format, list_fact_keys included), whatever GRPO trains on.
-    warm_start = expert_warm_start(
-        all_train_tasks,
-        lambda task: ToolUseGameEnv(),
-        make_tool_use_game_expert,
-        num_demonstrations=args.warm_start_demos,
-        steps=args.warm_start_steps,
+    demo = demo_setup(
+        args.tiers,
+        val_tasks=args.val_tasks,
+        warm_start_demos=args.warm_start_demos,
+        warm_start_steps=args.warm_start_steps,
         seed=config.seed,
     )
     result = train_multi_turn(
         config,
-        tasks=train_tasks,
+        tasks=demo.train_tasks,
         env_factory=lambda task: ToolUseGameEnv(),
-        val_tasks=val_tasks,
-        warm_start=warm_start,
+        val_tasks=demo.val_tasks,
+        warm_start=demo.warm_start,
     )
     rewards = result.validation_rewards()
     if len(rewards) >= 2:

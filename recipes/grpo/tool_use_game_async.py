@@ -26,7 +26,7 @@ The async settings, and why these values here:
   memory and the weight updates, and gains nothing. On GPUs use one replica per device.
 - ``weight_sync_type``: ``WEIGHT_SYNC_TYPE_SYNCHRONOUS`` (the default) publishes new weights
   before the next step starts; ``--weight-sync background_publish`` or ``pipeline`` defer it (see
-  ``cookbook_lib.grpo.replicas``).
+  ``cookbook_lib.grpo.weight_sync``).
 
 It writes runs/<run_name>/ like the lockstep recipe, plus ``timeline.jsonl`` (see notebook 04) and
 the ``async/*`` metrics in metrics.jsonl. ``--config my.yaml`` takes the whole config from YAML

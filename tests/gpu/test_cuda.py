@@ -13,16 +13,16 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import make_codec
-from cookbook_lib.devices import resolve_precision, sampling_copy
 from cookbook_lib.envs import Task
-from cookbook_lib.episode import EndCause
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.samples import TrainingSample, collate
 from cookbook_lib.grpo.train import train_single_turn
 from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.rollout.episode import EndCause
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.devices import resolve_precision, sampling_copy
 
 pytestmark = [
     pytest.mark.gpu,

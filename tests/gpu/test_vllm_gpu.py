@@ -20,7 +20,7 @@ from cookbook_lib.generators import SamplingParams
 from cookbook_lib.generators.vllm import VLLMGenerator
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.train import train_single_turn
-from cookbook_lib.models import load_model, load_tokenizer
+from cookbook_lib.runtime.models import load_model, load_tokenizer
 
 pytestmark = [
     pytest.mark.gpu,

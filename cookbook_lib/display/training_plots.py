@@ -40,9 +40,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from cookbook_lib.episode import EndCause
-from cookbook_lib.metrics import read_metrics
-from cookbook_lib.plots import END_CAUSE_COLORS
+from cookbook_lib.display.plots import END_CAUSE_COLORS
+from cookbook_lib.rollout.episode import EndCause
+from cookbook_lib.runtime.metrics import read_metrics
 
 if TYPE_CHECKING:
     from cookbook_lib.grpo.lockstep import StepOutcome

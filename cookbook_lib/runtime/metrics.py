@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import statistics
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from cookbook_lib.episode import EndCause, Episode
+from cookbook_lib.rollout.episode import EndCause, Episode
+from cookbook_lib.rollout.records import write_episodes
+from cookbook_lib.runtime.jsonl import json_line, write_atomically
 
 METRICS_FILE = "metrics.jsonl"
 EPISODES_DIR = "episodes"
@@ -141,7 +141,7 @@ class MetricsLogger:
         if "step" in metrics:
             raise ValueError("'step' is the logger's own key; pass the step as the first argument")
         record = {"step": step, **metrics}
-        self._handle.write(json.dumps(_jsonable(record), allow_nan=False) + "\n")
+        self._handle.write(json_line(record))
         self._handle.flush()
         os.fsync(self._handle.fileno())
         if self._wandb_run is not None:
@@ -165,20 +165,6 @@ class MetricsLogger:
 def wandb_run_id(run_name: str) -> str:
     """A W&B run id that is the same for every process of ``run_name`` (W&B ids allow [a-z0-9])."""
     return hashlib.sha256(run_name.encode("utf-8")).hexdigest()[:16]
-
-
-def _jsonable(value: Any) -> Any:
-    """Make ``value`` strict JSON: NaN and infinities become null (``json.dumps`` would emit a bare
-    ``NaN``, which JSON readers reject), and numpy or 0-d torch scalars become Python numbers."""
-    if isinstance(value, dict):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(item) for item in value]
-    if not isinstance(value, str | int | float | bool | None) and hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _complete_lines(path: Path) -> Iterable[str]:
@@ -217,7 +203,7 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in _complete_lines(path) if json.loads(line)["step"] <= after_step]
-    _write_atomically(path, "".join(kept))
+    write_atomically(path, "".join(kept))
 
 
 def dump_episodes(run_dir: Path, step: int, episodes: Sequence[Episode]) -> Path:
@@ -225,22 +211,4 @@ def dump_episodes(run_dir: Path, step: int, episodes: Sequence[Episode]) -> Path
 
     Replaces the file of a step that is trained again after a resume.
     """
-    path = Path(run_dir) / EPISODES_DIR / f"step_{step:06d}.jsonl"
-    lines = (json.dumps(_jsonable(episode.to_dict()), allow_nan=False) + "\n" for episode in episodes)
-    _write_atomically(path, "".join(lines))
-    return path
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, fsync it, then ``os.replace`` it in."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    return write_episodes(episodes, Path(run_dir) / EPISODES_DIR / f"step_{step:06d}.jsonl")

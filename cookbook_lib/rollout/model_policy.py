@@ -5,7 +5,7 @@ later call extends the previous prompt with exactly the tokens the model sampled
 close that turn, and the rendered messages the environment added since. Text is never decoded and
 re-encoded, so the tokens we train on are the tokens that were sampled.
 
-End causes it reports (see :class:`cookbook_lib.episode.EndCause`):
+End causes it reports (see :class:`cookbook_lib.rollout.episode.EndCause`):
 
 * ``CONTEXT_OVERFLOW``: the prompt (including a long tool output) leaves no room to sample under
   ``max_model_length``, or sampling ran into that limit before the turn ended.
@@ -15,7 +15,7 @@ A reply cut by the per-turn budget (``sampling.max_tokens``) but not by the cont
 it is: the environment decides what an incomplete answer is worth.
 
 Whatever the model writes ends as a message or a ``PARSE_FAILURE`` (``Codec.parse`` never raises).
-Should anything here raise all the same, the policy is a :class:`~cookbook_lib.rollout.ContainedPolicy`:
+Should anything here raise all the same, the policy is a :class:`~cookbook_lib.rollout.play.ContainedPolicy`:
 the episode ends as ``ERROR`` with the traceback kept and the run goes on, except when the
 generator was closed (the run is shutting down), which propagates.
 """
@@ -26,9 +26,9 @@ from dataclasses import replace
 from typing import ClassVar
 
 from cookbook_lib.codecs import Codec
-from cookbook_lib.episode import EndCause, Turn
 from cookbook_lib.generators import Generator, GeneratorClosedError, SamplingParams
-from cookbook_lib.rollout import ContainedPolicy, PolicyStep
+from cookbook_lib.rollout.episode import EndCause, Turn
+from cookbook_lib.rollout.play import ContainedPolicy, PolicyStep
 from cookbook_lib.types import Message, ToolSpec
 
 

@@ -7,7 +7,6 @@ validation runs during training. It writes every episode to ``runs/<run_name>/ep
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections import Counter
@@ -18,17 +17,18 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import Codec, make_codec
-from cookbook_lib.devices import check_precision
 from cookbook_lib.envs.base import Task
-from cookbook_lib.episode import EndCause, Episode
 from cookbook_lib.generators import Generator, SamplingParams
 from cookbook_lib.generators.factory import make_generator
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.models import load_model, load_tokenizer
-from cookbook_lib.progress import LiveProgress, tokens_status
-from cookbook_lib.rollout import EnvFactory, OnEnvError, Policy, run_group
+from cookbook_lib.rollout.episode import EndCause, Episode
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import EnvFactory, OnEnvError, Policy, run_group
+from cookbook_lib.rollout.records import write_episodes
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.devices import check_precision
+from cookbook_lib.runtime.models import load_model, load_tokenizer
+from cookbook_lib.runtime.progress import LiveProgress, tokens_status
 
 
 @dataclass
@@ -101,20 +101,6 @@ def summarize(
         wall_time_s=wall_time_s,
         episodes=episodes,
     )
-
-
-def write_episodes(episodes: Sequence[Episode], path: Path) -> Path:
-    """One JSON line per episode (tokens included), for later inspection."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        for episode in episodes:
-            handle.write(json.dumps(episode.to_dict()) + "\n")
-    return path
-
-
-def read_episodes(path: str | Path) -> list[Episode]:
-    with Path(path).open() as handle:
-        return [Episode.from_dict(json.loads(line)) for line in handle if line.strip()]
 
 
 def default_run_name(prefix: str) -> str:

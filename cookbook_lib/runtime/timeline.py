@@ -3,7 +3,7 @@
 A *lane* is one worker: the trainer, or one generator replica. A *kind* is what it was doing:
 sampling, stepping an environment, training, syncing weights, validating, waiting. The async GRPO
 loop records spans from wherever the work happens (generator worker threads, the asyncio loop,
-the trainer), and :mod:`cookbook_lib.timeline_plots` draws lockstep and async runs one above the
+the trainer), and :mod:`cookbook_lib.display.timeline_plots` draws lockstep and async runs one above the
 other, which shows where each leaves the GPU idle.
 
 Spans are kept as a union per (lane, kind), not one record per event: many concurrent episodes
@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cookbook_lib.envs.base import Env, StepResult, Task
-from cookbook_lib.rollout import EnvFactory
-from cookbook_lib.types import Message, ToolSpec
+from cookbook_lib.envs.wrappers import EnvWrapper
+from cookbook_lib.rollout.play import EnvFactory
+from cookbook_lib.types import Message
 
 if TYPE_CHECKING:
     # Not imported at run time: cookbook_lib.generators loads torch, which a timeline does not need.
@@ -290,36 +291,25 @@ class Timeline:
         return timeline
 
 
-class TimedEnv(Env):
+class TimedEnv(EnvWrapper):
     """An :class:`Env` whose ``reset`` and ``step`` are recorded as ``ENV`` spans on ``lane``.
 
-    Everything else is passed through; ``close`` calls the wrapped env's ``close`` once per call,
-    so ``run_episode``'s "closed exactly once" holds for the wrapped env too.
+    Everything else is passed through (:class:`~cookbook_lib.envs.wrappers.EnvWrapper`), so
+    ``run_episode``'s "closed exactly once" holds for the wrapped env too.
     """
 
     def __init__(self, env: Env, timeline: Timeline, lane: str) -> None:
-        self.inner = env
+        super().__init__(env)
         self.timeline = timeline
         self.lane = lane
 
     async def reset(self, task: Task) -> list[Message]:
         with self.timeline.span(self.lane, ENV):
-            return await self.inner.reset(task)
+            return await super().reset(task)
 
     async def step(self, message: Message) -> StepResult:
         with self.timeline.span(self.lane, ENV):
-            return await self.inner.step(message)
-
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        return self.inner.tool_specs
-
-    @property
-    def messages(self) -> list[Message]:
-        return self.inner.messages
-
-    async def close(self) -> None:
-        await self.inner.close()
+            return await super().step(message)
 
 
 def timed_env_factory(env_factory: EnvFactory, timeline: Timeline, lane: str) -> EnvFactory:

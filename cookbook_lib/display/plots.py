@@ -1,6 +1,6 @@
 """Plotly figures the notebooks share: how episodes ended, and what they earned.
 
-Each builder takes a list of episodes or an :class:`~cookbook_lib.evaluate.EvalReport` and returns
+Each builder takes a list of episodes or an :class:`~cookbook_lib.rollout.evaluate.EvalReport` and returns
 a ``plotly.graph_objects.Figure``, so a notebook can show it, restyle it or save it. Colours of end
 causes are fixed here (and reused by the episode viewer) so that a cause looks the same everywhere.
 """
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from cookbook_lib.episode import EndCause, Episode
+from cookbook_lib.rollout.episode import EndCause, Episode
 
 if TYPE_CHECKING:
-    from cookbook_lib.evaluate import EvalReport
+    from cookbook_lib.rollout.evaluate import EvalReport
 
 # Green for a normal end; oranges for the two causes the overlong penalty applies to; a colour of
 # its own for each other truncation; grey for an environment error (never trained on).

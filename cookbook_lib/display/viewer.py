@@ -1,7 +1,7 @@
 """Seeing episodes: a conversation as chat bubbles, tokens coloured by the training mask, a widget.
 
 Reading episodes is how one finds out what a model actually does (and why a reward is what it is),
-so these builders show everything an :class:`~cookbook_lib.episode.Episode` records: the messages
+so these builders show everything an :class:`~cookbook_lib.rollout.episode.Episode` records: the messages
 with their tool calls and tool errors, how the episode ended, its metrics, and, token by token,
 what training will and will not learn from.
 
@@ -19,9 +19,9 @@ from html import escape
 import ipywidgets as widgets
 from transformers import PreTrainedTokenizerBase
 
+from cookbook_lib.display.plots import END_CAUSE_COLORS
 from cookbook_lib.envs import TOOL_ERROR_PREFIX
-from cookbook_lib.episode import EndCause, Episode
-from cookbook_lib.plots import END_CAUSE_COLORS
+from cookbook_lib.rollout.episode import EndCause, Episode
 from cookbook_lib.types import Message
 
 SAMPLED_COLOR = "#c6efce"  # tokens the model sampled: they carry log-probs and are trained

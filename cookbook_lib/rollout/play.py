@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Union
 
 from cookbook_lib.envs.base import Env, StepResult, Task
-from cookbook_lib.episode import EndCause, Episode, EpisodeError, Turn
+from cookbook_lib.rollout.episode import EndCause, Episode, EpisodeError, Turn
 from cookbook_lib.types import Message, ToolSpec
 
 logger = logging.getLogger(__name__)

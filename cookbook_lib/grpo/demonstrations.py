@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cookbook_lib.codecs import Codec
-from cookbook_lib.episode import TokenSequence, Turn, token_sequences
+from cookbook_lib.rollout.episode import TokenSequence, Turn, token_sequences
 from cookbook_lib.types import Message, ToolSpec
 
 

@@ -29,9 +29,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from cookbook_lib.devices import resolve_device
-from cookbook_lib.progress import progress_bar
-from cookbook_lib.quiet import quiet_libraries
+from cookbook_lib.runtime.devices import resolve_device
+from cookbook_lib.runtime.progress import progress_bar
+from cookbook_lib.runtime.quiet import quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def load_model(
 ) -> PreTrainedModel:
     """Load a causal LM for training or sampling, on ``device`` (``"auto"``: CUDA when present).
 
-    float32 by default; :func:`cookbook_lib.devices.resolve_precision` says which dtype a run
+    float32 by default; :func:`cookbook_lib.runtime.devices.resolve_precision` says which dtype a run
     samples and trains in.
     """
     where = resolve_device(device) if isinstance(device, str) else device
@@ -243,7 +243,7 @@ def save_random_init_model(folder: str | Path, name: str | None = None, seed: in
     """Save, as a plain model folder, a randomly initialised model with the architecture of ``name``.
 
     Same shapes and tokenizer as the real model, so it runs every code path at the real model's
-    speed; its replies are gibberish. For benchmarks and the GPU check (``cookbook_lib.gpu_check``),
+    speed; its replies are gibberish. For benchmarks and the GPU check (``cookbook_lib.runtime.gpu_check``),
     which time kernels, not answers, and for trying them before the real weights are at hand.
     """
     source = resolve_model(name)

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from cookbook_lib.timeline import (
+from cookbook_lib.runtime.timeline import (
     ENV,
     KINDS,
     SAMPLING,

@@ -3,7 +3,7 @@
 The embedded model cannot call tools at first (0 of 32 tries, measured), so GRPO would see no
 reward at all. A few SFT steps on a scripted expert's episodes teach it the tool-call format; GRPO
 then improves what the format alone does not give. Demonstrations are rendered by the same codec,
-token-exactly, as rollouts are (:mod:`cookbook_lib.demonstrations`).
+token-exactly, as rollouts are (:mod:`cookbook_lib.grpo.demonstrations`).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cookbook_lib.asyncio_utils import run_sync
 from cookbook_lib.codecs import Codec
-from cookbook_lib.demonstrations import conversation_sequences
 from cookbook_lib.envs.base import Env, Task
-from cookbook_lib.episode import EndCause, TokenSequence
+from cookbook_lib.grpo.demonstrations import conversation_sequences
 from cookbook_lib.grpo.trainer import PolicyTrainer
-from cookbook_lib.rollout import Policy, run_episode
+from cookbook_lib.rollout.episode import EndCause, TokenSequence
+from cookbook_lib.rollout.play import Policy, run_episode
+from cookbook_lib.runtime.asyncio_utils import run_sync
 from cookbook_lib.types import Message, ToolSpec
 
 

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cookbook_lib.progress import progress_bar
-from cookbook_lib.quiet import quiet_libraries
+from cookbook_lib.runtime.progress import progress_bar
+from cookbook_lib.runtime.quiet import quiet_libraries
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"

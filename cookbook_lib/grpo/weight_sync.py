@@ -26,9 +26,9 @@ import torch
 from cookbook_lib.codecs import Codec
 from cookbook_lib.generators import Generator, SamplingParams
 from cookbook_lib.grpo.config import WeightSyncType
-from cookbook_lib.model_policy import ModelPolicy
-from cookbook_lib.rollout import EnvFactory
-from cookbook_lib.timeline import WEIGHT_SYNC, Timeline, replica_lane, timed_env_factory
+from cookbook_lib.rollout.model_policy import ModelPolicy
+from cookbook_lib.rollout.play import EnvFactory
+from cookbook_lib.runtime.timeline import WEIGHT_SYNC, Timeline, replica_lane, timed_env_factory
 
 Weights = Mapping[str, torch.Tensor]
 
