@@ -11,6 +11,11 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 Role = Literal["system", "user", "assistant", "tool"]
 
+DEFAULT_MAX_TOKENS_PER_TURN = 128
+"""The sampling budget of one assistant turn when none is given: ``SamplingParams.max_tokens``
+(evaluation) and ``GRPOConfig.max_tokens_per_turn`` (training) share it, so an environment sees
+the same replies in both. A tool call or a short answer needs far fewer."""
+
 
 class FunctionCall(TypedDict):
     name: str
@@ -54,4 +59,13 @@ def make_tool_call(call_id: str, name: str, arguments: str | dict[str, Any]) -> 
     return ToolCall(id=call_id, type="function", function=FunctionCall(name=name, arguments=encoded))
 
 
-__all__ = ["FunctionCall", "FunctionSpec", "Message", "Role", "ToolCall", "ToolSpec", "make_tool_call"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS_PER_TURN",
+    "FunctionCall",
+    "FunctionSpec",
+    "Message",
+    "Role",
+    "ToolCall",
+    "ToolSpec",
+    "make_tool_call",
+]

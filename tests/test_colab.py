@@ -57,7 +57,7 @@ def test_a_change_to_a_source_is_a_drift_until_the_notebook_is_rebuilt(scripts, 
 def test_every_notebook_gets_a_badge_and_an_output_free_setup_cell(scripts):
     url = scripts.colab_cells.repository_url()
     paths = [source.with_suffix(".ipynb") for source in scripts.sync_notebooks.source_paths()]
-    assert [p.name[:2] for p in paths] == ["01", "02", "03", "04"]
+    assert [p.name[:2] for p in paths] == ["01", "02", "03", "04", "05"]
     for path in paths:
         cells = nbformat.read(path, as_version=4).cells
         colab = f"https://colab.research.google.com/github/{url.removeprefix('https://github.com/')}"
@@ -76,11 +76,13 @@ def test_a_new_url_reaches_every_notebook_and_the_readme(scripts, tmp_path):
     rewritten = scripts.sync_notebooks.sync(write=True, **places)
 
     old_url = scripts.colab_cells.repository_url()
-    assert len(rewritten) == 9  # four notebooks, their four sources and the README
+    num_notebooks = len(scripts.sync_notebooks.source_paths(tmp_path / "notebooks"))
+    assert len(rewritten) == 2 * num_notebooks + 1  # every notebook, its source and the README
     for path in rewritten:
         text = path.read_text()
         assert "a-fork/renamed-cookbook" in text and old_url not in text, path.name
-    assert text.count("colab.research.google.com/github/a-fork/renamed-cookbook/blob/main/notebooks/0") == 4
+    fork_links = text.count("colab.research.google.com/github/a-fork/renamed-cookbook/blob/main/notebooks/0")
+    assert fork_links == num_notebooks  # the README's badge of every notebook
     assert scripts.sync_notebooks.sync(write=False, **places) == []  # a second sync changes nothing
 
 

@@ -20,15 +20,24 @@ class Task:
 
     prompt: str
     target: Any = None
+    # Both are recorded with every episode (episodes.jsonl), so they must be JSON values: numpy
+    # scalars, tuples and sets are converted; anything else is refused before a run starts.
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class ToolResult:
-    """What a tool returns. ``should_stop=True`` asks the environment to end the episode."""
+    """What a tool returns, shown to the model as a ``tool`` message.
+
+    ``should_stop=True`` asks the environment to end the episode (``ToolEnv`` then scores it:
+    ``terminated``). ``truncate=True`` asks it to cut the episode short instead, as the env's own
+    limit (a game's last move, a budget spent): ``ToolEnv`` ends it ``truncated`` (end cause
+    ``ENV``) with its ``truncation_reward``.
+    """
 
     content: str
     should_stop: bool = False
+    truncate: bool = False
 
 
 @dataclass
@@ -38,6 +47,8 @@ class StepResult:
     ``terminated``: task logic ended the episode (a final answer). ``truncated``: it was cut short
     for another reason the environment enforces. The loop reads ``reward`` and ``metrics`` only
     from the step that ends the episode, so put diagnostics in the final step's ``metrics``.
+    ``messages`` is the whole conversation, the assistant message just received included (see
+    :meth:`Env.step`); ``reward`` any finite number; ``metrics`` names to finite numbers.
     """
 
     terminated: bool
@@ -73,21 +84,29 @@ class Env(abc.ABC):
 
     @abc.abstractmethod
     async def reset(self, task: Task) -> list[Message]:
-        """Start an episode on ``task``; return the opening messages (system, user, ...)."""
+        """Start an episode on ``task``; return the opening conversation: a non-empty list of
+        messages (system, user, ...), each with a ``role`` and a string ``content``."""
 
     @abc.abstractmethod
     async def step(self, message: Message) -> StepResult:
-        """Take the model's assistant ``message``, run its tool calls, say whether it ended."""
+        """Take the model's assistant ``message``, run its tool calls, say whether it ended.
+
+        ``StepResult.messages`` is the *whole* conversation: every earlier message unchanged, then
+        ``message`` itself, then what the env adds (tool results, a user message): keep a list,
+        append to it, return ``list(self._messages)``. ``reward`` is any finite number (its range
+        is the env's choice). The rollout checks all of this (:mod:`cookbook_lib.envs.contract`)
+        and ends an episode that breaks it as ``ERROR``, saying how to fix it.
+        """
 
     @property
     @abc.abstractmethod
     def tool_specs(self) -> list[ToolSpec]:
-        """The tools the model may call in this episode."""
+        """The tools the model may call in this episode (``tool_to_spec`` of each; [] for none)."""
 
     @property
     @abc.abstractmethod
     def messages(self) -> list[Message]:
-        """The conversation so far."""
+        """The conversation so far (what ``step`` last returned)."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, empty on purpose
         """Release what ``reset`` started (a subprocess, a connection).

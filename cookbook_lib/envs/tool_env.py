@@ -2,7 +2,10 @@
 
 The shape: a system prompt and the task's prompt open the episode; each assistant message with
 tool calls gets their results back; a message without tool calls is the final answer and is
-scored; a tool result with ``should_stop=True`` also ends the episode (``terminated=True``).
+scored; a tool result with ``should_stop=True`` also ends the episode (``terminated=True``). The
+episode is cut short instead (``truncated=True``, end cause ``ENV``, reward
+``truncation_reward``) by a tool result with ``truncate=True`` or by the env's own rule,
+``should_truncate`` (a game's move limit, say).
 """
 
 from __future__ import annotations
@@ -33,7 +36,17 @@ class ToolEnv(Env):
 
     @abc.abstractmethod
     def score(self, task: Task, messages: list[Message]) -> float:
-        """The reward of a finished episode, in [0, 1]; ``messages[-1]`` is what ended it."""
+        """The reward of a finished episode, any finite number (GRPO compares rewards within a
+        group, so their range is the env's choice); ``messages[-1]`` is what ended it."""
+
+    def should_truncate(self, task: Task, messages: list[Message]) -> bool:
+        """Whether the env's own rule cuts the episode after this step's tool results (default
+        never). The episode then ends ``truncated`` with :meth:`truncation_reward`."""
+        return False
+
+    def truncation_reward(self, task: Task, messages: list[Message]) -> float:
+        """The reward of an episode the env cut short (default 0.0)."""
+        return 0.0
 
     @property
     def task(self) -> Task:
@@ -58,6 +71,14 @@ class ToolEnv(Env):
         self._messages.extend(outcome.messages)
         self._tool_calls += outcome.num_calls
         self._tool_errors += outcome.num_errors
+        if outcome.truncate_requested or self.should_truncate(task, self._messages):
+            return StepResult(
+                terminated=False,
+                truncated=True,
+                messages=list(self._messages),
+                reward=float(self.truncation_reward(task, self._messages)),
+                metrics=self.episode_metrics(),
+            )
         if outcome.stop_requested:
             return self._finish(task)
         return StepResult(

@@ -12,15 +12,18 @@ import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 
-from cookbook_lib.envs.base import Tool
+from cookbook_lib.envs.base import Tool, ToolResult
 from cookbook_lib.plain_json import PlainJSONError, loads_plain_json
 from cookbook_lib.types import Message, ToolCall
 
 TOOL_ERROR_PREFIX = "tool_error: "
+
+
+Ending = Literal["stop", "truncate"]
 
 
 @dataclass
@@ -30,7 +33,8 @@ class ToolCallsOutcome:
     messages: list[Message] = field(default_factory=list)
     num_calls: int = 0
     num_errors: int = 0
-    stop_requested: bool = False
+    stop_requested: bool = False  # a tool said should_stop: the episode ends (terminated)
+    truncate_requested: bool = False  # a tool said truncate: the episode is cut (truncated)
 
 
 class ToolArgumentError(ValueError):
@@ -87,8 +91,9 @@ def _validator_for_text(schema_text: str) -> Any:
 
 async def run_tool_call(
     tools: Mapping[str, Tool], call: ToolCall, timeout_s: float | None = None
-) -> tuple[Message, bool, bool]:
-    """Run one call. Returns (tool message, whether it failed, whether the tool asked to stop)."""
+) -> tuple[Message, bool, Ending | None]:
+    """Run one call. Returns (tool message, whether it failed, how the tool asked to end the
+    episode: "stop" (``should_stop``), "truncate" (``truncate``) or None)."""
     function = call.get("function") or {}
     name = str(function.get("name", ""))
     call_id = str(call.get("id", ""))
@@ -102,14 +107,20 @@ async def run_tool_call(
             arguments = json.dumps(arguments)
         parse_arguments(tool, arguments)
         result = await asyncio.wait_for(tool.execute(arguments), timeout_s)
-        content, failed, stop = str(result.content), False, bool(result.should_stop)
+        content, failed, ending = str(result.content), False, _ending(result)
     except ToolArgumentError as exc:
-        content, failed, stop = f"{TOOL_ERROR_PREFIX}{exc}", True, False
+        content, failed, ending = f"{TOOL_ERROR_PREFIX}{exc}", True, None
     except TimeoutError:
-        content, failed, stop = f"{TOOL_ERROR_PREFIX}{name} timed out after {timeout_s} s", True, False
+        content, failed, ending = f"{TOOL_ERROR_PREFIX}{name} timed out after {timeout_s} s", True, None
     except Exception as exc:  # a tool's own failure is the model's feedback, not a crash
-        content, failed, stop = f"{TOOL_ERROR_PREFIX}{shorten(repr(exc), 500)}", True, False
-    return Message(role="tool", content=content, tool_call_id=call_id, name=name), failed, stop
+        content, failed, ending = f"{TOOL_ERROR_PREFIX}{shorten(repr(exc), 500)}", True, None
+    return Message(role="tool", content=content, tool_call_id=call_id, name=name), failed, ending
+
+
+def _ending(result: ToolResult) -> Ending | None:
+    if bool(getattr(result, "truncate", False)):
+        return "truncate"
+    return "stop" if bool(result.should_stop) else None
 
 
 async def run_tool_calls(
@@ -118,9 +129,10 @@ async def run_tool_calls(
     """Run every tool call of an assistant ``message`` in order (calls may depend on each other)."""
     outcome = ToolCallsOutcome()
     for call in message.get("tool_calls", []) or []:
-        tool_message, failed, stop = await run_tool_call(tools, call, timeout_s)
+        tool_message, failed, ending = await run_tool_call(tools, call, timeout_s)
         outcome.messages.append(tool_message)
         outcome.num_calls += 1
         outcome.num_errors += int(failed)
-        outcome.stop_requested |= stop
+        outcome.stop_requested |= ending == "stop"
+        outcome.truncate_requested |= ending == "truncate"
     return outcome

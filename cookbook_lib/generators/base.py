@@ -25,6 +25,8 @@ from typing import Literal
 
 import torch
 
+from cookbook_lib.types import DEFAULT_MAX_TOKENS_PER_TURN
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -46,7 +48,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS_PER_TURN  # as GRPOConfig.max_tokens_per_turn
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
 

@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 import yaml
 
 from cookbook_lib.grpo.loss_settings import ImportanceRatioLevel, LossAggregation, LossType
+from cookbook_lib.types import DEFAULT_MAX_TOKENS_PER_TURN
 
 # Kept equal to cookbook_lib.runtime.models.DEFAULT_MODEL (a test pins it); not imported from there
 # because that module imports torch and transformers.
@@ -49,7 +50,7 @@ OnEnvError = Literal["end_episode", "raise"]
 GeneratorBackend = Literal["hf", "vllm"]
 GeneratorPlacement = Literal["local", "ray"]
 StaleGroups = Literal["prevent", "requeue", "drop"]
-FinalCheckpoint = Literal["full", "model"]
+FinalCheckpoint = Literal["full", "model", "none"]
 # Spelling of GRPOConfig.device and .dtype; cookbook_lib/runtime/devices.py says what they mean and checks
 # the machine has them (it imports torch, which this module must not).
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -207,7 +208,10 @@ class GRPOConfig:
     model only (weights in the training dtype and the tokenizer: a complete model folder, ~0.54 GB
     for the embedded model), and the run's older checkpoints are deleted once it is written.
     Checkpoints written while the run goes are full either way, so a killed run resumes exactly;
-    extending a finished "model" run (a larger ``num_steps``) restarts AdamW from zero moments."""
+    extending a finished "model" run (a larger ``num_steps``) restarts AdamW from zero moments.
+    "none": no checkpoint at the end (only those ``checkpoint_interval`` wrote), for quick runs
+    whose folder should hold metrics and episodes only (megabytes); the trained model is still
+    returned in ``TrainResult.model``."""
     keep_warm_start_model: bool = True
     """Keep ``run_dir/warm_start_model`` (the warm-started model, which other runs can start from
     with ``model=``) when the run finishes. False deletes it then, unless the run still needs it:
@@ -221,8 +225,9 @@ class GRPOConfig:
     """An exception in the env (or inside the library's ModelPolicy) ends that episode (``ERROR``, kept
     for inspection) or stops the run."""
     # --- sampling ----------------------------------------------------------------------------
-    max_tokens_per_turn: int = _setting(128, at_least=1)
-    """Sampling budget of one assistant turn (a tool call or an answer needs far fewer)."""
+    max_tokens_per_turn: int = _setting(DEFAULT_MAX_TOKENS_PER_TURN, at_least=1)
+    """Sampling budget of one assistant turn (a tool call or an answer needs far fewer); the same
+    default as ``evaluate``'s ``SamplingParams.max_tokens``."""
     temperature: float = _setting(
         1.0, above=0, note="greedy episodes of a group are identical, so every advantage is 0; use 1.0"
     )
@@ -282,6 +287,29 @@ class GRPOConfig:
             object.__setattr__(self, "weight_sync_type", WeightSyncType(self.weight_sync_type))
         if isinstance(self.runs_dir, Path):
             object.__setattr__(self, "runs_dir", str(self.runs_dir))
+
+    @classmethod
+    def small(cls, **overrides: Any) -> GRPOConfig:
+        """A quick run through the library API, for trying an env or a change: two steps of two
+        tasks, two episodes each, short turns, no validation, no checkpoint and no warm-started
+        model kept (the run folder holds metrics and episodes: megabytes). ``overrides`` set any
+        field. About a minute on the embedded model on 2 CPU cores, seconds on a tiny one."""
+        settings: dict[str, Any] = dict(
+            batch_size=2,
+            episodes_per_task=2,
+            num_steps=2,
+            max_turns=3,
+            max_model_length=1536,
+            max_tokens_per_turn=32,
+            micro_batch_tokens=2048,
+            validation_interval=0,
+            checkpoint_interval=0,
+            final_checkpoint="none",
+            keep_warm_start_model=False,
+            wandb_project=None,
+        )
+        settings.update(overrides)
+        return cls(**settings)
 
     @property
     def run_dir(self) -> Path:

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.envs.base import Env, StepResult, Task
+from cookbook_lib.envs.contract import check_tasks
 from cookbook_lib.generators.base import Generator
 from cookbook_lib.generators.factory import make_generator
 from cookbook_lib.generators.ray_replicas import RayReplicaPool
@@ -127,6 +128,10 @@ def _check_before_loading(
         raise ValueError("train_multi_turn needs at least one task in tasks=")
     if val_tasks is not None and not val_tasks:
         raise ValueError("val_tasks is empty: pass None to skip validation, or some tasks")
+    # Every episode records its task: a task that could not be recorded fails now, not after a run.
+    check_tasks(tasks, "tasks")
+    if val_tasks is not None:
+        check_tasks(val_tasks, "val_tasks")
     if config.generator_backend == "vllm":  # vllm importable, a GPU, and what the sync mode needs
         check_vllm_available(in_flight_updates=config.weight_sync_type == "WEIGHT_SYNC_TYPE_PIPELINE")
     run_dir = config.run_dir
@@ -226,7 +231,8 @@ async def _run_steps(
                 outcome.metrics |= await validator.run()
             log.log(step, outcome.metrics)
             dump_episodes(run_dir, step, outcome.episodes)
-            if last or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
+            periodic = bool(config.checkpoint_interval) and step % config.checkpoint_interval == 0
+            if periodic or (last and config.final_checkpoint != "none"):
                 model_only = last and config.final_checkpoint == "model"
                 _save(run_dir, step, context, tokenizer, loop.groups_started, model_only)
                 timeline.save(run_dir / TIMELINE_FILE)
@@ -477,9 +483,11 @@ def _drop_warm_start_if_unneeded(run_dir: Path, config: GRPOConfig) -> None:
     """
     warm_dir = run_dir / WARM_START_DIR
     needed = config.use_lora or config.kl_coef > 0
-    if config.keep_warm_start_model or needed or not warm_dir.is_dir() or latest_checkpoint(run_dir) is None:
+    if config.keep_warm_start_model or needed or not warm_dir.is_dir():
         return
-    delete_folder(warm_dir)
+    # A run with checkpoints resumes from them; one without (final_checkpoint="none") never resumes.
+    if latest_checkpoint(run_dir) is not None or config.final_checkpoint == "none":
+        delete_folder(warm_dir)
 
 
 def _print_step(step: int, num_steps: int, metrics: dict[str, float]) -> None:

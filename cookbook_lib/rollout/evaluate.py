@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cookbook_lib.codecs import Codec, make_codec
 from cookbook_lib.envs.base import Task
+from cookbook_lib.envs.contract import check_tasks
 from cookbook_lib.generators import Generator, SamplingParams
 from cookbook_lib.generators.factory import make_generator
 from cookbook_lib.rollout.episode import EndCause, Episode
@@ -128,6 +129,7 @@ async def evaluate_policy_async(
     """
     if not tasks:
         raise ValueError("evaluate needs at least one task")
+    check_tasks(tasks)  # before any episode: each is recorded with its task
     started = time.perf_counter()
     total = len(tasks) * episodes_per_task
     async with LiveProgress(
@@ -191,6 +193,7 @@ async def evaluate_async(
     are written to ``runs/<run_name>/episodes.jsonl``.
     """
     sampling = sampling or SamplingParams()
+    check_tasks(tasks)  # before the model loads
     if sampling.seed is not None and episodes_per_task > 1:
         raise ValueError(
             "sampling.seed would make every episode of a task sample the same replies; leave it None "

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Union
 
 from cookbook_lib.envs.base import Env, StepResult, Task
+from cookbook_lib.envs.contract import EnvContractError, reset_problem, step_problem
 from cookbook_lib.rollout.episode import EndCause, Episode, EpisodeError, Turn
 from cookbook_lib.types import Message, ToolSpec
 
@@ -100,10 +101,15 @@ async def run_episode(
     try:
         try:
             env_instance = env if isinstance(env, Env) else env(task)
-            record.messages = list(await env_instance.reset(task))
+            opening = await env_instance.reset(task)
         except Exception as exc:
             _record_error(record, exc, "Env.reset", "the environment failed in reset()", on_env_error)
             return record
+        problem = reset_problem(env_instance, opening)
+        if problem is not None:
+            _record_breach(record, problem, on_env_error)
+            return record
+        record.messages = list(opening)
         await _play(env_instance, record, policy, max_turns, on_env_error, failed_parse_reward)
         return record
     finally:
@@ -144,11 +150,17 @@ async def _play(
             record.reward = failed_parse_reward if move.end_cause is EndCause.PARSE_FAILURE else 0.0
             return
         assert move.message is not None, "a PolicyStep without end_cause must carry a message"
+        shown = list(record.messages)
         try:
             result: StepResult = await env.step(move.message)
         except Exception as exc:
             record.messages.append(move.message)
             _record_error(record, exc, "Env.step", "the environment failed in step()", on_env_error)
+            return
+        problem = step_problem(env, shown, move.message, result)
+        if problem is not None:
+            record.messages.append(move.message)
+            _record_breach(record, problem, on_env_error)
             return
         record.messages = list(result.messages)
         record.metrics = dict(result.metrics)
@@ -171,6 +183,17 @@ def _record_error(
     if on_env_error == "raise":
         raise EpisodeError(f"{failure} on task {record.task.prompt!r}") from exc
     logger.warning("episode ended by an error in %s: %r", source, exc)
+
+
+def _record_breach(record: Episode, problem: str, on_env_error: OnEnvError) -> None:
+    """End the episode as ERROR because the env broke its contract (``problem`` says how to fix
+    it), or stop the run with it."""
+    record.end_cause = EndCause.ERROR
+    record.reward = 0.0
+    record.error = f"the environment broke the Env contract (cookbook_lib/envs/contract.py): {problem}"
+    if on_env_error == "raise":
+        raise EpisodeError(problem) from EnvContractError(problem)
+    logger.warning("episode ended: %s", problem)
 
 
 async def _close(env: Env, record: Episode, on_env_error: OnEnvError) -> None:

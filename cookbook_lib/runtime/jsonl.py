@@ -15,23 +15,53 @@ from pathlib import Path
 from typing import Any
 
 
+class UnrecordableValueError(TypeError):
+    """A value JSON cannot hold, even after :func:`jsonable`'s conversions; says where it is."""
+
+
 def jsonable(value: Any) -> Any:
     """``value`` as strict JSON: NaN and infinities become null (``json.dumps`` would emit a bare
-    ``NaN``, which JSON readers reject), and numpy or 0-d torch scalars become Python numbers."""
+    ``NaN``, which JSON readers reject), numpy or 0-d torch scalars become Python numbers, tuples
+    become lists and sets sorted lists (in their repr's order when the items do not compare).
+    Anything else is left as it is, for ``json.dumps`` to refuse."""
     if isinstance(value, dict):
         return {str(key): jsonable(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(item) for item in value]
+    if isinstance(value, set | frozenset):
+        try:
+            ordered = sorted(value)
+        except TypeError:
+            ordered = sorted(value, key=repr)
+        return [jsonable(item) for item in ordered]
     if not isinstance(value, str | int | float | bool | None) and hasattr(value, "item"):
-        value = value.item()
+        try:
+            value = value.item()
+        except (TypeError, ValueError):  # an array of several values: not a scalar
+            return value
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
 
 
-def json_line(value: Any) -> str:
-    """One strict JSON line (with its newline)."""
-    return json.dumps(jsonable(value), allow_nan=False) + "\n"
+def check_recordable(value: Any, where: str) -> None:
+    """Raise :class:`UnrecordableValueError` naming the first part of ``value`` (``where`` plus its
+    keys and indices) that :func:`json_line` could not write."""
+    value = jsonable(value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_recordable(item, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_recordable(item, f"{where}[{index}]")
+    elif not isinstance(value, str | int | float | bool | None):
+        raise UnrecordableValueError(f"{where} holds a {type(value).__name__} ({repr(value)[:80]})")
+
+
+def json_line(value: Any, *, fallback: bool = False) -> str:
+    """One strict JSON line (with its newline). With ``fallback``, a value JSON cannot hold is
+    written as its ``repr`` string instead of raising."""
+    return json.dumps(jsonable(value), allow_nan=False, default=repr if fallback else None) + "\n"
 
 
 def write_atomically(path: Path, text: str) -> None:
