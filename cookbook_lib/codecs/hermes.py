@@ -33,10 +33,10 @@ from cookbook_lib.codecs.reply import (
     ParsedReply,
     ReasoningTags,
     ReplyFormat,
-    ToolCallFormatError,
     check_reply_length,
     join_content,
     json_type,
+    read_call_object,
     read_json,
     split_blocks,
 )
@@ -115,30 +115,7 @@ def split_reply(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
 
 def _decode_call(body: str, number: int) -> tuple[str, dict[str, Any]]:
     where = f"tool call {number}"
-    payload = read_json(body, where)
-    if not isinstance(payload, dict):
-        raise ToolCallFormatError(
-            f'{where} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {json_type(payload)}'
-        )
-    unexpected = sorted(set(payload) - {"name", "arguments"})
-    if unexpected:
-        raise ToolCallFormatError(
-            f'{where} has unexpected keys {unexpected}; expected exactly "name" and "arguments"'
-        )
-    if "name" not in payload:
-        raise ToolCallFormatError(f'{where} has no "name"')
-    name = payload["name"]
-    if not isinstance(name, str) or not name.strip():
-        got = "a blank string" if isinstance(name, str) else json_type(name)
-        raise ToolCallFormatError(f'{where}: "name" must be a non-empty string, got {got}')
-    if "arguments" not in payload:
-        raise ToolCallFormatError(f'{where} ({name}) has no "arguments" (use {{}} for none)')
-    arguments = payload["arguments"]
-    if not isinstance(arguments, dict):
-        raise ToolCallFormatError(
-            f'{where} ({name}): "arguments" must be a JSON object, got {json_type(arguments)}'
-        )
-    return name, arguments
+    return read_call_object(read_json(body, where), where)
 
 
 class HermesFormat(ReplyFormat):

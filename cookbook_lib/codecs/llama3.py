@@ -25,6 +25,7 @@ from cookbook_lib.codecs.reply import (
     check_name,
     check_reply_length,
     json_type,
+    read_call_object,
     read_json,
 )
 from cookbook_lib.types import ToolSpec
@@ -59,23 +60,13 @@ class Llama3JSONFormat(ReplyFormat):
             return ParsedReply(content=body)
         # One object and nothing after it: "extra data" is a reply that is no single call.
         payload = read_json(body, "the tool call")
-        if not isinstance(payload, dict):
-            raise ToolCallFormatError(f"the tool call must be a JSON object, got {json_type(payload)}")
-        key = "parameters" if "parameters" in payload else "arguments"
-        unexpected = sorted(set(payload) - {"name", key})
-        if unexpected:
-            raise ToolCallFormatError(
-                f'the tool call has unexpected keys {unexpected}; expected "name" and "parameters"'
-            )
-        name = payload.get("name")
-        if not isinstance(name, str):
-            raise ToolCallFormatError(f'the tool call\'s "name" must be a string, got {json_type(name)}')
-        check_name(name, "the tool call")
-        if key not in payload:
-            raise ToolCallFormatError(f'the tool call ({name}) has no "parameters" (use {{}} for none)')
-        arguments = payload[key]
-        if not isinstance(arguments, dict):
-            raise ToolCallFormatError(
-                f'the tool call ({name}): "parameters" must be a JSON object, got {json_type(arguments)}'
-            )
+        # Llama 3 writes "parameters"; "arguments" (the chat APIs' word) is read as well.
+        key = "arguments" if isinstance(payload, dict) and "arguments" in payload else "parameters"
+        name, arguments = read_call_object(payload, "the tool call", arguments_key=key, name_rule=_tool_name)
         return ParsedReply(content="", calls=[(name, arguments)])
+
+
+def _tool_name(name: object, where: str) -> str:
+    if not isinstance(name, str):
+        raise ToolCallFormatError(f'{where}\'s "name" must be a string, got {json_type(name)}')
+    return check_name(name, where)

@@ -82,8 +82,10 @@ from cookbook_lib.codecs.reply import (
     ToolCallTuple,
     check_reply_length,
     json_type,
+    read_call_object,
+    read_json,
 )
-from cookbook_lib.plain_json import MAX_JSON_DEPTH, PlainJSONError, loads_plain_json
+from cookbook_lib.plain_json import MAX_JSON_DEPTH
 from cookbook_lib.types import Message, ToolSpec
 
 if TYPE_CHECKING:
@@ -190,27 +192,14 @@ class MistralFormat(ReplyFormat):
             )
         if not value:
             raise ToolCallFormatError(f"{TOOL_CALLS} is followed by an empty list of calls")
-        allowed = {"name", "arguments", "id"} if self.call_ids else {"name", "arguments"}
+        extra_keys = ("id",) if self.call_ids else ()
         calls: list[ToolCallTuple] = []
         ids: list[str | None] = []
         for number, item in enumerate(value, start=1):
             where = f"tool call {number}"
-            if not isinstance(item, dict):
-                raise ToolCallFormatError(f"{where} must be a JSON object, got {json_type(item)}")
-            unexpected = sorted(set(item) - allowed)
-            if unexpected:
-                expected = ", ".join(f'"{key}"' for key in sorted(allowed))
-                raise ToolCallFormatError(f"{where} has unexpected keys {unexpected}; expected {expected}")
-            if "name" not in item:
-                raise ToolCallFormatError(f'{where} has no "name"')
-            name = _check_function_name(item["name"], where)
-            if "arguments" not in item:
-                raise ToolCallFormatError(f'{where} ({name}) has no "arguments" (use {{}} for none)')
-            arguments = item["arguments"]
-            if not isinstance(arguments, dict):
-                raise ToolCallFormatError(
-                    f'{where} ({name}): "arguments" must be a JSON object, got {json_type(arguments)}'
-                )
+            name, arguments = read_call_object(
+                item, where, extra_keys=extra_keys, name_rule=_check_function_name
+            )
             calls.append((name, arguments))
             ids.append(_check_call_id(item["id"], where) if "id" in item else None)
         _check_unique(ids)
@@ -264,7 +253,7 @@ def _read_json(text: str, start: int, where: str) -> tuple[Any, int]:
 
     ``raw_decode`` finds where the value ends (a JSON string may hold ``[TOOL_CALLS]``, so no
     search for the next marker could); the value is then read again by ``loads_plain_json`` for
-    its bounds (depth, number size, no ``NaN``, no lone surrogates).
+    its bounds (depth, number size, no ``NaN``, no lone surrogates) by :func:`read_json`.
     """
     after = _WHITESPACE.match(text, start)
     begin = after.end() if after is not None else start
@@ -279,10 +268,7 @@ def _read_json(text: str, start: int, where: str) -> tuple[Any, int]:
         ) from None
     except ValueError as exc:  # Python's limit on the digits of an integer
         raise ToolCallFormatError(f"{where} are not plain JSON: {exc}") from None
-    try:
-        return loads_plain_json(text[begin:end]), end
-    except (json.JSONDecodeError, PlainJSONError) as exc:
-        raise ToolCallFormatError(f"{where} are not plain JSON: {exc}") from None
+    return read_json(text[begin:end], where), end
 
 
 def _check_function_name(name: object, where: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -257,6 +257,46 @@ def read_json(text: str, what: str) -> Any:
         ) from None
     except PlainJSONError as exc:
         raise ToolCallFormatError(f"{what} is not plain JSON: {exc}") from None
+
+
+def nonblank_name(name: object, where: str) -> str:
+    """A call's ``"name"`` value: any non-blank string (the templates writing JSON calls ask no more)."""
+    if not isinstance(name, str) or not name.strip():
+        got = "a blank string" if isinstance(name, str) else json_type(name)
+        raise ToolCallFormatError(f'{where}: "name" must be a non-empty string, got {got}')
+    return name
+
+
+def read_call_object(
+    payload: object,
+    where: str,
+    *,
+    arguments_key: str = "arguments",
+    extra_keys: Collection[str] = (),
+    name_rule: Callable[[object, str], str] = nonblank_name,
+) -> tuple[str, dict[str, Any]]:
+    """A tool call written as one JSON object, ``{"name": ..., "<arguments_key>": {...}}`` (plus
+    the optional ``extra_keys``): its ``(name, arguments)``, the name checked by ``name_rule``;
+    anything else raises :class:`ToolCallFormatError` saying what is wrong in ``where``."""
+    if not isinstance(payload, dict):
+        shape = f'{{"name": ..., "{arguments_key}": {{...}}}}'
+        raise ToolCallFormatError(f"{where} must be a JSON object {shape}, got {json_type(payload)}")
+    allowed = {"name", arguments_key, *extra_keys}
+    unexpected = sorted(set(payload) - allowed)
+    if unexpected:
+        expected = ", ".join(f'"{key}"' for key in sorted(allowed))
+        raise ToolCallFormatError(f"{where} has unexpected keys {unexpected}; expected {expected}")
+    if "name" not in payload:
+        raise ToolCallFormatError(f'{where} has no "name"')
+    name = name_rule(payload["name"], where)
+    if arguments_key not in payload:
+        raise ToolCallFormatError(f'{where} ({name}) has no "{arguments_key}" (use {{}} for none)')
+    arguments = payload[arguments_key]
+    if not isinstance(arguments, dict):
+        raise ToolCallFormatError(
+            f'{where} ({name}): "{arguments_key}" must be a JSON object, got {json_type(arguments)}'
+        )
+    return name, arguments
 
 
 def join_content(pieces: Sequence[str]) -> str:

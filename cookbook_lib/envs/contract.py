@@ -18,7 +18,8 @@ inside the library. ``evaluate`` and ``train_multi_turn`` check their tasks befo
 - ``tool_specs`` is a list of tool specs (``tool_to_spec`` makes one), the same through an episode;
 - a task's ``target`` and ``metadata`` are recorded with every episode (``episodes.jsonl``), so
   they must be JSON values after the conversions :func:`cookbook_lib.runtime.jsonl.jsonable` makes
-  (numpy scalars become numbers, tuples and sets become lists, NaN becomes null).
+  (numpy scalars become numbers, tuples and sets become lists, NaN becomes null, dict keys
+  become strings).
 """
 
 from __future__ import annotations

@@ -47,13 +47,16 @@ def jsonable(value: Any) -> Any:
 def check_recordable(value: Any, where: str) -> None:
     """Raise :class:`UnrecordableValueError` naming the first part of ``value`` (``where`` plus its
     keys and indices) that :func:`json_line` could not write."""
-    value = jsonable(value)
+    _check_converted(jsonable(value), where)
+
+
+def _check_converted(value: Any, where: str) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
-            check_recordable(item, f"{where}[{key!r}]")
+            _check_converted(item, f"{where}[{key!r}]")
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            check_recordable(item, f"{where}[{index}]")
+            _check_converted(item, f"{where}[{index}]")
     elif not isinstance(value, str | int | float | bool | None):
         raise UnrecordableValueError(f"{where} holds a {type(value).__name__} ({repr(value)[:80]})")
 
