@@ -66,7 +66,8 @@ import sys
 EXTRA_MODULES = ("gem", "textarena", "reasoning_gym")
 missing = [name for name in EXTRA_MODULES if importlib.util.find_spec(name) is None]
 if missing and "google.colab" in sys.modules:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", f"{CLONE}[envs]"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--editable", f"{CLONE}[envs]"], check=True)
+    importlib.invalidate_caches()  # so this kernel finds the packages just installed
 elif missing:
     raise ImportError(f'{", ".join(missing)} not installed: pip install -e ".[envs]" from the repository root')
 
