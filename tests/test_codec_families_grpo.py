@@ -116,7 +116,7 @@ def test_two_grpo_steps_through_the_familys_template(family, base_tokenizer, dem
         run_name=family,
         wandb_project=None,
     )
-    warm_start = WarmStart(demos, steps=60, batch_size=2, learning_rate=2e-2)
+    warm_start = WarmStart(demos, steps=90, batch_size=2, learning_rate=2e-2)
     result = train_multi_turn(
         config, tasks=[task], env_factory=lambda _: ToolUseGameEnv(), warm_start=warm_start
     )

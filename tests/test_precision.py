@@ -131,12 +131,11 @@ def _check_ratio(
     trainer = PolicyTrainer(
         model, pad_token_id=tokenizer.pad_token_id, learning_rate=1e-3, precision=precision
     )
-    from cookbook_lib.grpo.samples import collate
 
-    batch = trainer._to_device(collate(samples, tokenizer.pad_token_id))
+    batch = trainer._collate(samples)
     with torch.no_grad():
-        logprobs_BT, logits_NV = trainer._token_logprobs(trainer.model, batch)
-    assert logits_NV.dtype == logprobs_BT.dtype == torch.float32  # the loss is computed in fp32
+        logprobs_BT, entropy_N = trainer._token_logprobs(trainer.model, batch)
+    assert entropy_N.dtype == logprobs_BT.dtype == torch.float32  # the loss is computed in fp32
     mask = batch["loss_mask"]
     log_ratio = (logprobs_BT - batch["sampling_logprobs"])[mask]
     mean_abs, worst = float(log_ratio.abs().mean()), float(log_ratio.abs().max().exp() - 1)

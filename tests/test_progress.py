@@ -217,7 +217,7 @@ def test_an_optimizer_step_shows_its_micro_batches(tiny_model_and_tokenizer, mon
     trainer = PolicyTrainer(copy.deepcopy(model), pad_token_id=tokenizer.pad_token_id, learning_rate=1e-3)
     samples = [
         TrainingSample(
-            tokens_T=[1, 2, 3, 4, 5, 6],
+            tokens_T=[1, 2, 3, 4 + index, 5, 6],  # different replies: no prefix tree holds both in 6
             loss_mask_T=[False, False, False, True, True, True],
             sampling_logprobs_T=[0.0, 0.0, 0.0, -1.0, -1.0, -1.0],
             policy_versions_T=[0] * 6,

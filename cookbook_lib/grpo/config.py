@@ -274,6 +274,12 @@ class GRPOConfig:
     called gradient checkpointing): the trainer's activations shrink ~20x (embedded model: 1.4 MB
     to 72 KB per token of a micro-batch) for one more forward pass per step (~20-30 % of training
     time). False trades that memory back for speed."""
+    shared_prefix_training: bool = True
+    """Forward each token prefix that samples of a micro-batch share (a system prompt, a group's
+    task) once, with every continuation attending to it through a block mask: the same loss and
+    gradients as padded rows, ~4x fewer tokens forwarded at the tool-use demo's shape. Models whose
+    layers cannot take a block mask (recurrent or sliding-window layers, flash attention) are
+    padded as before; False always pads."""
     # --- soft overlong penalty (DAPO) --------------------------------------------------------
     overlong_buffer_tokens: int = _setting(256, at_least=0, note="0 = no overlong penalty")
     """Length of the linear ramp before the limit: the penalty grows from 0 to the factor over it."""

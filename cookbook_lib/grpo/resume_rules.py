@@ -64,6 +64,7 @@ CHANGEABLE_ON_RESUME: tuple[str, ...] = (
     "ray_cpus_per_replica",
     "micro_batch_tokens",
     "activation_checkpointing",
+    "shared_prefix_training",
 )
 
 FIXED_ON_RESUME: tuple[str, ...] = (

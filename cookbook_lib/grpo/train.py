@@ -270,6 +270,7 @@ def _make_trainer(
         reference_model=reference,
         precision=precision,
         activation_checkpointing=config.activation_checkpointing,
+        shared_prefix=config.shared_prefix_training,
     )
 
 
@@ -383,6 +384,7 @@ def _run_warm_start(
         max_grad_norm=config.max_grad_norm,
         precision=precision,
         activation_checkpointing=config.activation_checkpointing,
+        shared_prefix=config.shared_prefix_training,
     )
 
     # A bar while it runs, one line when it is done: the run's output stays one line per stage.

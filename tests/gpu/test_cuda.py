@@ -17,7 +17,7 @@ from cookbook_lib.codecs import make_codec
 from cookbook_lib.envs import Task
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.grpo.config import GRPOConfig
-from cookbook_lib.grpo.samples import TrainingSample, collate
+from cookbook_lib.grpo.samples import TrainingSample
 from cookbook_lib.grpo.train import train_single_turn
 from cookbook_lib.grpo.trainer import PolicyTrainer
 from cookbook_lib.rollout.episode import EndCause
@@ -130,7 +130,7 @@ def test_fresh_samples_have_ratio_one_on_cuda(tiny_model_and_tokenizer, sharpen,
     trainer = PolicyTrainer(
         master, pad_token_id=tokenizer.pad_token_id, learning_rate=1e-3, precision=precision
     )
-    batch = trainer._to_device(collate(samples, tokenizer.pad_token_id))
+    batch = trainer._collate(samples)
     with torch.no_grad():
         logprobs_BT, _ = trainer._token_logprobs(trainer.model, batch)
     log_ratio = (logprobs_BT - batch["sampling_logprobs"])[batch["loss_mask"]]

@@ -1,0 +1,192 @@
+"""One lockstep GRPO step of the tool-use demo, and its training on padded rows against prefix trees.
+
+    python bench/bench_step.py                 # sample one demo step (warm-start + rollouts), then A/B
+    python bench/bench_step.py --episodes runs/RUN/episodes/step_000001.jsonl \
+        --model runs/RUN/warm_start_model     # a step a run sampled, and its model
+    python bench/bench_step.py --quick         # a smaller warm-start and one repeat
+
+1. Sampling: ``train_multi_turn`` runs the README demo's config for one step (expert warm-start,
+   the step's rollouts, its training on prefix trees) and reports sampled tokens, sampling tok/s
+   and the step's own training time. Skipped when ``--episodes`` names a step's episodes.
+2. Training, side by side: the same step's samples (``build_samples`` exactly as the step built
+   them) train on a fresh copy of the same model with ``shared_prefix_training`` off (padded rows,
+   the old path) and on (one packed prefix tree per micro-batch), alternating, ``--repeats`` times
+   each. Per arm: micro-batches, tokens forwarded, trainer seconds, user and system CPU seconds,
+   minor page faults, the peak resident size during the step, and the loss (the same on both).
+   Then the ratios new / old. Timings on a shared CPU are noisy: read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.loss_settings import LossSettings
+from cookbook_lib.grpo.samples import build_samples
+from cookbook_lib.grpo.train import train_multi_turn
+from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.rollout.records import read_episodes
+from cookbook_lib.runtime.memory import release_memory
+from cookbook_lib.runtime.models import load_model, load_tokenizer
+from envs.tool_use_game import ToolUseGameEnv
+from recipes.grpo.tool_use_game import demo_config, demo_setup
+
+
+def sample_one_step(config: GRPOConfig, warm_start_demos: int, warm_start_steps: int) -> tuple[Path, Path]:
+    """Run the demo for one step in a scratch folder; the step's episodes and the warm-started model."""
+    demo = demo_setup(
+        val_tasks=0, warm_start_demos=warm_start_demos, warm_start_steps=warm_start_steps, seed=0
+    )
+    runs = Path(tempfile.mkdtemp(prefix="bench-step-"))
+    run_config = dataclasses.replace(
+        config,
+        num_steps=1,
+        runs_dir=str(runs),
+        run_name="sample",
+        validation_interval=0,
+        checkpoint_interval=0,
+        final_checkpoint="none",
+        keep_warm_start_model=True,
+    )
+    started = time.perf_counter()
+    result = train_multi_turn(
+        run_config,
+        tasks=demo.train_tasks,
+        env_factory=lambda task: ToolUseGameEnv(),
+        val_tasks=None,
+        warm_start=demo.warm_start,
+    )
+    metrics = result.metrics[-1]
+    sampled, sampling_s = metrics["sampled_tokens"], metrics["time/sampling_s"]
+    print(
+        f"one demo step: {time.perf_counter() - started:.0f} s with the warm-start | sampling "
+        f"{sampling_s:.1f} s, {sampled:.0f} tokens, {sampled / sampling_s:.1f} tok/s | training "
+        f"{metrics['time/training_s']:.1f} s on prefix trees"
+    )
+    return result.run_dir / "episodes" / "step_000001.jsonl", result.run_dir / "warm_start_model"
+
+
+def _peak_rss_reset() -> None:
+    # Writing 5 to clear_refs resets the process's peak resident size (VmHWM), Linux >= 4.0.
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1e6
+    return float("nan")
+
+
+def train_arm(model_dir: Path, samples, config: GRPOConfig, shared: bool) -> dict[str, float]:
+    """One training step of ``samples`` on a fresh copy of the model; its cost and loss."""
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir))
+    trainer = PolicyTrainer(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        learning_rate=config.learning_rate,
+        max_grad_norm=config.max_grad_norm,
+        micro_batch_tokens=config.micro_batch_tokens,
+        temperature=config.temperature,
+        activation_checkpointing=config.activation_checkpointing,
+        shared_prefix=shared,
+    )
+    # A run's steps after its first find AdamW's moments allocated: one warm-up step on one sample.
+    trainer.grpo_step(samples[:1], LossSettings.from_config(config))
+    release_memory()
+    _peak_rss_reset()
+    before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    metrics = trainer.grpo_step(samples, LossSettings.from_config(config))
+    elapsed, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
+    peak = _peak_rss_gb()
+    del trainer, model
+    release_memory()
+    return {
+        "trainer_s": elapsed,
+        "user_s": after.ru_utime - before.ru_utime,
+        "system_s": after.ru_stime - before.ru_stime,
+        "minor_faults": float(after.ru_minflt - before.ru_minflt),
+        "peak_rss_gb": peak,
+        "forwarded_tokens": metrics["forwarded_tokens"],
+        "trained_tokens": metrics["trained_tokens"],
+        "loss": metrics["loss"],
+    }
+
+
+def step_samples(episodes_path: Path, config: GRPOConfig):
+    """The samples the step trained: its groups (consecutive ``episodes_per_task`` episodes), the
+    first ``batch_size`` groups with signal, as ``lockstep.train_on_groups`` keeps them."""
+    episodes = read_episodes(episodes_path)
+    size = config.episodes_per_task
+    groups = [episodes[i : i + size] for i in range(0, len(episodes), size)]
+    batch = build_samples(
+        groups,
+        normalize_by_std=config.normalize_advantages_by_std,
+        overlong_masking=config.overlong_masking,
+        max_model_length=config.max_model_length,
+        overlong_buffer_tokens=config.overlong_buffer_tokens,
+        overlong_penalty_factor=config.overlong_penalty_factor,
+    )
+    keep = set(batch.trained_group_indices[: config.batch_size])
+    return [sample for sample in batch.samples if sample.group_index in keep], len(keep)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=Path, help="a step's episodes (skips the sampling part)")
+    parser.add_argument("--model", type=Path, help="the model that sampled them (with --episodes)")
+    parser.add_argument("--repeats", type=int, default=2, help="training runs of each arm")
+    parser.add_argument("--quick", action="store_true", help="a 16-demo, 2-step warm-start, one repeat")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = demo_config()
+    if args.episodes is None:
+        demos, steps = (16, 2) if args.quick else (64, 8)
+        episodes_path, model_dir = sample_one_step(config, demos, steps)
+    else:
+        if args.model is None:
+            parser.error("--episodes needs --model: the model that sampled them")
+        episodes_path, model_dir = args.episodes, args.model
+    repeats = 1 if args.quick else args.repeats
+    samples, groups = step_samples(episodes_path, config)
+    if not samples:
+        raise SystemExit(f"{episodes_path}: no group had signal, so nothing trains; sample another step")
+    lengths = [len(s) for s in samples]
+    print(
+        f"training {len(samples)} samples of {groups} groups ({min(lengths)}-{max(lengths)} tokens, "
+        f"{sum(lengths)} in all), micro_batch_tokens={config.micro_batch_tokens}, "
+        f"activation checkpointing {'on' if config.activation_checkpointing else 'off'}"
+    )
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for shared in (False, True):
+            runs[shared].append(train_arm(model_dir, copy.copy(samples), config, shared))
+    fields = ("forwarded_tokens", "trainer_s", "user_s", "system_s", "minor_faults", "peak_rss_gb", "loss")
+    medians = {shared: {f: statistics.median(r[f] for r in runs[shared]) for f in fields} for shared in runs}
+    print(f"\n| arm | {' | '.join(fields)} |\n| --- |{' ---: |' * len(fields)}")
+    for shared, name in ((False, "padded rows (old)"), (True, "prefix trees (new)")):
+        row = medians[shared]
+        print(f"| {name} | " + " | ".join(f"{row[f]:.4g}" for f in fields) + " |")
+    old, new = medians[False], medians[True]
+    print(
+        f"\nnew / old: tokens forwarded {new['forwarded_tokens'] / old['forwarded_tokens']:.2f}x, "
+        f"trainer time {new['trainer_s'] / old['trainer_s']:.2f}x, "
+        f"system time {new['system_s'] / max(old['system_s'], 1e-9):.2f}x, "
+        f"page faults {new['minor_faults'] / max(old['minor_faults'], 1):.2f}x; "
+        f"system / user time {old['system_s'] / old['user_s']:.1%} -> {new['system_s'] / new['user_s']:.1%}; "
+        f"loss difference {abs(new['loss'] - old['loss']):.2e}"
+    )
+
+
+if __name__ == "__main__":
+    main()
