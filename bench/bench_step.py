@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from cookbook_lib.grpo.config import GRPOConfig
+from cookbook_lib.grpo.lockstep import step_samples
 from cookbook_lib.grpo.loss_settings import LossSettings
-from cookbook_lib.grpo.samples import build_samples
-from cookbook_lib.grpo.train import train_multi_turn
-from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.grpo.train import _make_trainer, train_multi_turn
 from cookbook_lib.rollout.records import read_episodes
+from cookbook_lib.runtime.devices import resolve_precision
 from cookbook_lib.runtime.memory import release_memory
 from cookbook_lib.runtime.models import load_model, load_tokenizer
 from envs.tool_use_game import ToolUseGameEnv
@@ -91,16 +91,8 @@ def train_arm(model_dir: Path, samples, config: GRPOConfig, shared: bool) -> dic
     """One training step of ``samples`` on a fresh copy of the model; its cost and loss."""
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir))
-    trainer = PolicyTrainer(
-        model,
-        pad_token_id=tokenizer.pad_token_id,
-        learning_rate=config.learning_rate,
-        max_grad_norm=config.max_grad_norm,
-        micro_batch_tokens=config.micro_batch_tokens,
-        temperature=config.temperature,
-        activation_checkpointing=config.activation_checkpointing,
-        shared_prefix=shared,
-    )
+    arm = dataclasses.replace(config, shared_prefix_training=shared)
+    trainer = _make_trainer(arm, model, tokenizer, resolve_precision("cpu", "float32"))
     # A run's steps after its first find AdamW's moments allocated: one warm-up step on one sample.
     trainer.grpo_step(samples[:1], LossSettings.from_config(config))
     release_memory()
@@ -123,22 +115,13 @@ def train_arm(model_dir: Path, samples, config: GRPOConfig, shared: bool) -> dic
     }
 
 
-def step_samples(episodes_path: Path, config: GRPOConfig):
-    """The samples the step trained: its groups (consecutive ``episodes_per_task`` episodes), the
-    first ``batch_size`` groups with signal, as ``lockstep.train_on_groups`` keeps them."""
+def samples_of_step(episodes_path: Path, config: GRPOConfig):
+    """The samples the step trained: its groups are consecutive ``episodes_per_task`` episodes."""
     episodes = read_episodes(episodes_path)
     size = config.episodes_per_task
     groups = [episodes[i : i + size] for i in range(0, len(episodes), size)]
-    batch = build_samples(
-        groups,
-        normalize_by_std=config.normalize_advantages_by_std,
-        overlong_masking=config.overlong_masking,
-        max_model_length=config.max_model_length,
-        overlong_buffer_tokens=config.overlong_buffer_tokens,
-        overlong_penalty_factor=config.overlong_penalty_factor,
-    )
-    keep = set(batch.trained_group_indices[: config.batch_size])
-    return [sample for sample in batch.samples if sample.group_index in keep], len(keep)
+    _, samples, keep = step_samples(config, groups)
+    return samples, len(keep)
 
 
 def main() -> None:
@@ -158,7 +141,7 @@ def main() -> None:
             parser.error("--episodes needs --model: the model that sampled them")
         episodes_path, model_dir = args.episodes, args.model
     repeats = 1 if args.quick else args.repeats
-    samples, groups = step_samples(episodes_path, config)
+    samples, groups = samples_of_step(episodes_path, config)
     if not samples:
         raise SystemExit(f"{episodes_path}: no group had signal, so nothing trains; sample another step")
     lengths = [len(s) for s in samples]

@@ -20,7 +20,7 @@ from cookbook_lib.grpo.advantages import group_has_signal
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.length_mix import add_dropped_groups, trained_length_metrics
 from cookbook_lib.grpo.loss_settings import LossSettings
-from cookbook_lib.grpo.samples import TrainingSample, build_samples, version_mix
+from cookbook_lib.grpo.samples import SampleBatch, TrainingSample, build_samples, version_mix
 from cookbook_lib.grpo.step import RunContext, StepOutcome, StepTimes, no_pause
 from cookbook_lib.grpo.trainer import PolicyTrainer
 from cookbook_lib.grpo.weight_sync import GeneratorReplicas
@@ -107,13 +107,11 @@ async def collect_groups(
     return groups, attempt
 
 
-def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], trainer: PolicyTrainer) -> dict:
-    """Build samples from ``groups`` and take one optimizer step on them (if any has signal).
-
-    Returns the step's metrics: sample statistics (``zero_variance_skip_ratio`` ...), episode
-    statistics under the seed's names, ``train/*`` from the trainer and ``trained_groups``. Runs
-    the gradient step in the caller's thread (the async loop calls it on a worker thread).
-    """
+def step_samples(
+    config: GRPOConfig, groups: Sequence[Sequence[Episode]]
+) -> tuple[SampleBatch, list[TrainingSample], set[int]]:
+    """The samples a step trains on ``groups``, with the whole ``SampleBatch`` and the indices of
+    the groups kept: at most ``batch_size`` groups with signal, a full batch's worth."""
     batch = build_samples(
         groups,
         normalize_by_std=config.normalize_advantages_by_std,
@@ -122,15 +120,22 @@ def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], tra
         overlong_buffer_tokens=config.overlong_buffer_tokens,
         overlong_penalty_factor=config.overlong_penalty_factor,
     )
+    keep = set(batch.trained_group_indices[: config.batch_size]) if batch.samples else set()
+    return batch, [sample for sample in batch.samples if sample.group_index in keep], keep
+
+
+def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], trainer: PolicyTrainer) -> dict:
+    """Build samples from ``groups`` and take one optimizer step on them (if any has signal).
+
+    Returns the step's metrics: sample statistics (``zero_variance_skip_ratio`` ...), episode
+    statistics under the seed's names, ``train/*`` from the trainer and ``trained_groups``. Runs
+    the gradient step in the caller's thread (the async loop calls it on a worker thread).
+    """
+    batch, samples, keep = step_samples(config, groups)
     episodes = [episode for group in groups for episode in group]
     # Episode stats last: reward_mean over every episode, as validation's val/reward_mean is.
     metrics: dict[str, float] = {**batch.stats.metrics(), **episode_stats(episodes)}
-    keep: set[int] = set()
-    samples: list[TrainingSample] = []
-    if batch.samples:
-        # Train only on a full batch's worth of signal: at most batch_size trained groups.
-        keep = set(batch.trained_group_indices[: config.batch_size])
-        samples = [sample for sample in batch.samples if sample.group_index in keep]
+    if samples:
         metrics |= {
             f"train/{k}": v for k, v in trainer.grpo_step(samples, LossSettings.from_config(config)).items()
         }
