@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -26,6 +27,17 @@ class WeightUpdate:
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
     between_requests: bool = False
+
+
+@dataclass(eq=False)
+class WorkerCall:
+    """A ``run_on_worker`` call: a function the worker runs between two steps, when no request
+    is running (``between_requests``), its result or exception delivered to ``future``."""
+
+    function: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    between_requests: bool = True
 
 
 def deliver(future: asyncio.Future, loop: asyncio.AbstractEventLoop, outcome: object) -> None:

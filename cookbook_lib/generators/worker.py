@@ -20,10 +20,13 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from cookbook_lib.generators.base import Generator, GeneratorClosedError
-from cookbook_lib.generators.handoff import deliver
+from cookbook_lib.generators.handoff import WorkerCall, deliver
+
+Result = TypeVar("Result")
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,20 @@ class WorkerGenerator(Generator, abc.ABC):
                 self._thread = threading.Thread(target=self._work, name=self._worker_name, daemon=True)
                 self._thread.start()
             self._wake.notify()
+
+    async def run_on_worker(self, function: Callable[[], Result]) -> Result:
+        """Run ``function`` on the worker thread once no request is running; its result.
+
+        Why: on a CPU, each thread that runs torch ops owns an OpenMP team, and with more
+        OpenMP threads than cores libgomp stops spin-waiting between parallel regions, which
+        cost every decode step and every training step ~25 % on 2 cores (``bench/bench_threads.py``,
+        docs/benchmarks.md). A lockstep run trains on the generator's thread, so one team does all.
+        Requests that arrive meanwhile wait, as they do for a weight update between requests.
+        """
+        loop = asyncio.get_running_loop()
+        call = WorkerCall(function, loop.create_future(), loop)
+        self._submit(self._controls, call)
+        return await call.future
 
     def _withdraw(self, request: Any) -> None:
         """A cancelled caller's request: marked, and out of the queue if it is still there."""
@@ -115,7 +132,10 @@ class WorkerGenerator(Generator, abc.ABC):
                 # Controls apply only here, between two steps: tokens sampled before this point
                 # carry the old version, tokens after it the new one.
                 for control in controls:
-                    self._apply_control(control)
+                    if isinstance(control, WorkerCall):
+                        self._run_call(control)
+                    else:
+                        self._apply_control(control)
                 if admitted:
                     self._admit(admitted)
                 if self._is_busy():
@@ -125,6 +145,15 @@ class WorkerGenerator(Generator, abc.ABC):
             self._shut(GeneratorClosedError(f"{self._failure}: {exc!r}"))
         finally:
             self._fail_running(GeneratorClosedError("the generator was closed"))
+
+    @staticmethod
+    def _run_call(call: WorkerCall) -> None:
+        """Run a ``run_on_worker`` function; what it raises goes to its caller, not the worker."""
+        try:
+            outcome = call.function()
+        except Exception as exc:  # the caller's error: it fails the caller, the worker goes on
+            outcome = exc
+        deliver(call.future, call.loop, outcome)
 
     def _take_requests(self) -> list[Any]:
         """The queued requests to admit now, popped from ``_queue`` (called with the lock held)."""

@@ -177,7 +177,7 @@ async def lockstep_step(
     times = StepTimes(started=started, sampled_at=time.perf_counter())
     # A colocated vLLM engine frees its GPU memory for the optimizer step; publish wakes it.
     await replicas.sleep()
-    metrics = train_on_groups(config, groups, trainer)
+    metrics = await replicas.run_compute(lambda: train_on_groups(config, groups, trainer))
     metrics["sampling_attempts"] = float(attempts)
     add_dropped_groups(metrics, [], config.max_turns)  # lockstep drops nothing: zeros, for comparison
     times.trained_at = time.perf_counter()

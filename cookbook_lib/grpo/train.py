@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ from cookbook_lib.runtime.metrics import (
     truncate_metrics,
 )
 from cookbook_lib.runtime.models import load_model, load_tokenizer
+from cookbook_lib.runtime.own_thread import run_in_own_thread
 from cookbook_lib.runtime.progress import progress_bar, tokens_status
 from cookbook_lib.runtime.quiet import quiet_libraries
 from cookbook_lib.runtime.timeline import (
@@ -185,7 +187,9 @@ async def _train(
     model = load_model(source, device=precision.device, dtype=precision.master_dtype)
     print(f"{config.run_name}: {precision.describe()}", flush=True)
     if checkpoint is None and warm_start is not None and not warm_dir.is_dir():
-        _run_warm_start(model, tokenizer, codec, warm_start, config, warm_dir, precision)
+        # In a thread that ends with it: see runtime/own_thread.py.
+        arguments = (model, tokenizer, codec, warm_start, config, warm_dir, precision)
+        run_in_own_thread(lambda stop: _run_warm_start(*arguments, stop), name="warm-start")
         release_memory()  # the warm-start's optimizer state is garbage now
     timeline = Timeline()
     replicas, ray_pool = _make_replicas(config, model, tokenizer, precision, timeline)
@@ -375,7 +379,9 @@ def _run_warm_start(
     config: GRPOConfig,
     warm_dir: Path,
     precision: Precision,
+    stop: threading.Event | None = None,
 ) -> None:
+    """The SFT warm-start; ``stop`` set (an interrupt) ends it after the step it is in."""
     sft = PolicyTrainer(
         model,
         pad_token_id=tokenizer.pad_token_id,
@@ -393,6 +399,8 @@ def _run_warm_start(
         def report(step: int, metrics: dict[str, float]) -> None:
             bar.update()
             bar.set_postfix_str(f"sft loss {metrics['sft_loss']:.4f}")
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt("the warm-start was interrupted")
 
         history = train_sft(
             sft,

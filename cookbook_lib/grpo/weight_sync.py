@@ -20,15 +20,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
 from cookbook_lib.codecs import Codec
-from cookbook_lib.generators import Generator, SamplingParams
+from cookbook_lib.generators import Generator, HFGenerator, SamplingParams
 from cookbook_lib.grpo.config import WeightSyncType
 from cookbook_lib.rollout.model_policy import ModelPolicy
 from cookbook_lib.rollout.play import EnvFactory
 from cookbook_lib.runtime.timeline import WEIGHT_SYNC, Timeline, replica_lane, timed_env_factory
+
+Result = TypeVar("Result")
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -57,6 +60,15 @@ class GeneratorReplicas:
     @property
     def size(self) -> int:
         return len(self.generators)
+
+    async def run_compute(self, function: Callable[[], Result]) -> Result:
+        """Run a blocking torch computation (a training step) where it costs least: on the one
+        generator's worker thread when that is a CPU ``HFGenerator`` (then one OpenMP team does
+        all the run's work: ``WorkerGenerator.run_on_worker`` says why), else in this thread."""
+        generator = self.generators[0]
+        if self.size == 1 and isinstance(generator, HFGenerator) and generator.device.type == "cpu":
+            return await generator.run_on_worker(function)
+        return function()
 
     @property
     def deferred(self) -> bool:
