@@ -42,8 +42,9 @@ from cookbook_lib.runtime.quiet import quiet_libraries
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
-# Trained positions per LM-head chunk: [512, 49k] fp32 logits are ~100 MB.
-HEAD_CHUNK_ROWS = 512
+# Trained positions per LM-head chunk: [128, 49k] fp32 logits are 25 MB. Measured on a demo
+# step trained on the generator's thread: 512 rows peaked 0.43 GB higher (docs/benchmarks.md).
+HEAD_CHUNK_ROWS = 128
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
