@@ -370,7 +370,19 @@ def test_stale_groups_are_dropped_counted_and_closed(tiny_model_dir, tmp_path):
         assert line["zero_variance_skip_ratio"] * line["num_groups"] <= line["num_groups"]
 
 
-def test_pipeline_records_mixed_versions_within_one_sample(tiny_model_dir, tmp_path):
+def test_pipeline_records_mixed_versions_within_one_sample(tiny_model_dir, tmp_path, monkeypatch):
+    # A tiny model decodes a turn in a few milliseconds, so whether a publish landed mid-turn was
+    # a matter of timing (CI once saw none in 8 steps). Each decode step is slowed by 10 ms, so a
+    # 48-token turn takes about as long as a trainer step and the groups in flight are decoding
+    # whenever weights publish (6 spanning samples in 4 steps, measured); a random reward gives
+    # every group signal, so every step trains and publishes.
+    decode = HFGenerator._decode
+
+    def slow_decode(self: HFGenerator) -> None:
+        time.sleep(0.01)
+        decode(self)
+
+    monkeypatch.setattr(HFGenerator, "_decode", slow_decode)
     log = EnvLog()
     config = async_config(
         tiny_model_dir,
@@ -379,14 +391,17 @@ def test_pipeline_records_mixed_versions_within_one_sample(tiny_model_dir, tmp_p
         max_steps_off_policy=3,
         batch_size=1,
         groups_in_flight=3,
-        num_steps=8,
+        num_steps=4,
         max_tokens_per_turn=48,
         max_turns=2,
         # "drop" starts every group at once, so samples are in flight whenever weights publish;
         # "prevent" holds starts back by the bound and made a spanning sample a matter of timing.
         stale_groups="drop",
     )
-    result = train_multi_turn(config, tasks=TASKS, env_factory=env_factory_for(log, mean_delay_s=0.005))
+    result = train_multi_turn(
+        config, tasks=TASKS, env_factory=env_factory_for(log, LengthEnv, mean_delay_s=0.005)
+    )
+    assert all(line.get("zero_variance_skip_ratio", 0) == 0 for line in result.metrics[1:])
     mixed = [
         turn["policy_versions"]
         for step in range(1, config.num_steps + 1)
