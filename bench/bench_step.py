@@ -32,7 +32,7 @@ import torch
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.lockstep import step_samples
 from cookbook_lib.grpo.loss_settings import LossSettings
-from cookbook_lib.grpo.train import _make_trainer, train_multi_turn
+from cookbook_lib.grpo.train import make_trainer, train_multi_turn
 from cookbook_lib.rollout.records import read_episodes
 from cookbook_lib.runtime.devices import resolve_precision
 from cookbook_lib.runtime.memory import release_memory
@@ -92,7 +92,7 @@ def train_arm(model_dir: Path, samples, config: GRPOConfig, shared: bool) -> dic
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir))
     arm = dataclasses.replace(config, shared_prefix_training=shared)
-    trainer = _make_trainer(arm, model, tokenizer, resolve_precision("cpu", "float32"))
+    trainer = make_trainer(arm, model, tokenizer, resolve_precision("cpu", "float32"))
     # A run's steps after its first find AdamW's moments allocated: one warm-up step on one sample.
     trainer.grpo_step(samples[:1], LossSettings.from_config(config))
     release_memory()

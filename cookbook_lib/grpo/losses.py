@@ -226,17 +226,21 @@ def token_logprobs(logits_BTV: Tensor, target_ids_BT: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def entropy_from_logits(logits_BTV: Tensor, mask_BT: Tensor) -> float:
-    """Mean entropy (nats) of the policy's next-token distributions at trained positions; a metric.
+def row_entropies(logits_NV: Tensor) -> Tensor:
+    """Entropy (nats) of each row's next-token distribution ``[N]``; a metric, never a loss term,
+    so it runs under ``no_grad`` and nothing joins the graph."""
+    log_probs_NV = torch.log_softmax(logits_NV.float(), dim=-1)
+    return -(log_probs_NV.exp() * log_probs_NV).sum(-1)
 
-    Cheap enough to log every step: only the trained positions' logits are used (``[N, V]``, not
-    ``[B, T, V]``), under ``no_grad`` so nothing joins the graph. It is not a loss term.
+
+def entropy_from_logits(logits_BTV: Tensor, mask_BT: Tensor) -> float:
+    """Mean entropy (nats) of the policy's next-token distributions at trained positions.
+
+    Only the trained positions' logits are used (``[N, V]``, not ``[B, T, V]``). The trainer
+    computes the same per row, a head chunk at a time (``PolicyTrainer._head_logprobs``).
     """
-    logits_NV = logits_BTV[mask_BT].float()
-    if logits_NV.numel() == 0:
-        return 0.0
-    log_probs_NV = torch.log_softmax(logits_NV, dim=-1)
-    return -(log_probs_NV.exp() * log_probs_NV).sum(-1).mean().item()
+    logits_NV = logits_BTV[mask_BT]
+    return row_entropies(logits_NV).mean().item() if logits_NV.numel() else 0.0
 
 
 def compute_loss(

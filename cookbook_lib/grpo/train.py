@@ -194,7 +194,7 @@ async def _train(
     timeline = Timeline()
     replicas, ray_pool = _make_replicas(config, model, tokenizer, precision, timeline)
     try:
-        trainer = _make_trainer(config, model, tokenizer, precision)
+        trainer = make_trainer(config, model, tokenizer, precision)
         context = RunContext(config, tasks, env_factory, trainer, replicas, codec, timeline)
         return await _run_steps(context, run_dir, checkpoint, tokenizer, val_tasks, on_step)
     finally:
@@ -255,9 +255,10 @@ async def _run_steps(
     return TrainResult(run_dir=run_dir, metrics=metrics_by_step, model=trainer.model, tokenizer=tokenizer)
 
 
-def _make_trainer(
+def make_trainer(
     config: GRPOConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, precision: Precision
 ) -> PolicyTrainer:
+    """The trainer a run of ``config`` trains ``model`` with (also what bench/bench_step.py times)."""
     # float32 like the trained weights: its forwards run under the same autocast and fp32 head.
     reference = copy.deepcopy(model).eval() if config.kl_coef > 0 and not config.use_lora else None
     return PolicyTrainer(
@@ -582,4 +583,11 @@ def train_single_turn(
     )
 
 
-__all__ = ["SingleTurnEnv", "TrainResult", "WarmStart", "train_multi_turn", "train_single_turn"]
+__all__ = [
+    "SingleTurnEnv",
+    "TrainResult",
+    "WarmStart",
+    "make_trainer",
+    "train_multi_turn",
+    "train_single_turn",
+]

@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
 from cookbook_lib.grpo.loss_settings import LossSettings
-from cookbook_lib.grpo.losses import compute_loss, masked_sum, token_logprobs
+from cookbook_lib.grpo.losses import compute_loss, masked_sum, row_entropies, token_logprobs
 from cookbook_lib.grpo.samples import TrainingSample, collate, pack_micro_batches
 from cookbook_lib.grpo.shared_prefix import (
     attention_mask_4d,
@@ -160,11 +160,7 @@ class PolicyTrainer:
         bf16 logits would put the two log-probs of a token tenths apart. The loss is then fp32.
         """
         logits_NV = head(hidden_NH.to(head.weight.dtype)).float() / self.temperature
-        with torch.no_grad():
-            log_probs_NV = torch.log_softmax(logits_NV, dim=-1)
-            entropy_N = -(log_probs_NV.exp() * log_probs_NV).sum(-1)
-        del log_probs_NV
-        return token_logprobs(logits_NV.unsqueeze(0), target_N.unsqueeze(0))[0], entropy_N
+        return token_logprobs(logits_NV.unsqueeze(0), target_N.unsqueeze(0))[0], row_entropies(logits_NV)
 
     def _tree_hidden(self, causal_lm: PreTrainedModel, batch: Batch) -> torch.Tensor:
         """Hidden states ``[N, H]`` at the trained positions, from one packed prefix-tree forward."""
@@ -211,11 +207,11 @@ class PolicyTrainer:
         """Whether micro-batches are packed as prefix trees (else padded rows)."""
         return self.shared_prefix_unsupported is None
 
-    def _collate(self, micro_batch: Sequence[TrainingSample], packs_trees: bool | None = None) -> Batch:
+    def _collate(self, micro_batch: Sequence[TrainingSample]) -> Batch:
         """``collate``'s tensors on the trainer's device, with the micro-batch's prefix tree when
-        it is packed as one (``packs_trees``; None: as the trainer packs)."""
+        the trainer packs trees."""
         batch = collate(micro_batch, self.pad_token_id)
-        if self.packs_prefix_trees if packs_trees is None else packs_trees:
+        if self.packs_prefix_trees:
             tree = build_prefix_tree(micro_batch)
             batch |= {
                 "tree_input_ids": tree.input_ids_L,
@@ -296,7 +292,7 @@ class PolicyTrainer:
         forwarded_tokens = 0
         shown = progress_bar(progress or "", iterable=micro_batches, unit="micro-batch", show=bool(progress))
         for micro_batch in shown:
-            batch = self._collate(micro_batch, packs_trees)
+            batch = self._collate(micro_batch)
             forwarded_tokens += int(
                 batch["tree_input_ids"].numel() if packs_trees else batch["input_ids"].numel()
             )

@@ -21,7 +21,9 @@ heads in float32 and even with a pure-bf16 trainer (the cached decode and the fu
 differently). A first PPO step would see importance ratios up to 1.4 on tokens sampled by the
 current policy. On a GPU that is the accepted price of bf16 (vLLM-based trainers pay it too); on
 a CPU float32 keeps the ratio at 1 (max |ratio - 1| ~2e-5) and ``dtype="bfloat16"`` is there for
-whoever wants the speed. ``docs/benchmarks.md`` has the figures.
+whoever wants the speed. That speed needs native bf16: a CPU without it (AVX2 only) emulates bf16
+matmuls at ~0.02x the fp32 rate, so a bf16 CPU run's first line says which kind of CPU it is on,
+measured once per CPU (``cpu_probe``). ``docs/benchmarks.md`` has the figures.
 
 The trainer keeps float32 master weights in every policy: an AdamW update of ``lr * ~1`` is far
 below bfloat16's resolution for weights of order 0.01-0.1, so pure-bf16 weights would drop most
@@ -71,7 +73,22 @@ class Precision:
         if self.device.type == "cuda":
             where += f" ({torch.cuda.get_device_name(self.device)})"
         sample, compute = _short(self.sample_dtype), _short(self.compute_dtype)
-        return f"device {where}; sampling in {sample}, training in {compute} with float32 weights"
+        line = f"device {where}; sampling in {sample}, training in {compute} with float32 weights"
+        return line + self._cpu_bf16_note()
+
+    def _cpu_bf16_note(self) -> str:
+        """On a CPU asked for bf16: whether it has native bf16 (measured), for the run's first line."""
+        if self.device.type != "cpu" or torch.bfloat16 not in (self.sample_dtype, self.compute_dtype):
+            return ""
+        from cookbook_lib.runtime.cpu_probe import bf16_speedup  # only a bf16 CPU run pays the probe
+
+        speedup = bf16_speedup()
+        if speedup >= 1.0:
+            return f" (bf16 matmuls {speedup:.1f}x the float32 rate on this CPU)"
+        return (
+            f" (bf16 matmuls {speedup:.2f}x the float32 rate on this CPU, which lacks native bf16: "
+            "dtype='float32' runs faster here)"
+        )
 
 
 def _short(dtype: torch.dtype) -> str:

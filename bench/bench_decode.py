@@ -1,0 +1,98 @@
+"""One CPU decode step of the embedded model: the concatenating KV cache against the in-place one.
+
+    python bench/bench_decode.py                    # 16 rows, a 440-token prompt, 24 steps, 4 rounds
+    python bench/bench_decode.py --rows 8 --quick
+
+``DynamicLayer`` (transformers) concatenates every layer's cache each step; ``SlackLayer``
+(cookbook_lib/generators/kv_cache.py, what ``HFGenerator`` uses) writes into spare columns. Both
+arms run the same prompt and greedy tokens, alternating, and the bench prints the median step
+time of each, the ratio and the largest logit difference (0: the same numbers). It also times the
+step's matmuls alone, each of the model's weight shapes at these rows, as the floor a decode step
+stands on here. Timings on a shared machine are noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from cookbook_lib.generators import kv_cache
+from cookbook_lib.runtime.models import load_model
+
+
+def decode(model, prompt_BT: torch.Tensor, make_cache, steps: int) -> tuple[float, torch.Tensor]:
+    """Median step time (ms) of ``steps`` greedy decode steps after the prompt, and every logit row."""
+    keyword = kv_cache.cache_keyword(model)
+    with torch.inference_mode():
+        cache = make_cache()
+        out = model(input_ids=prompt_BT, use_cache=True, **{keyword: cache})
+        logits, times = [out.logits[:, -1]], []
+        for _ in range(steps):
+            token_B1 = logits[-1].argmax(-1, keepdim=True)
+            started = time.perf_counter()
+            out = model(input_ids=token_B1, use_cache=True, **{keyword: cache})
+            times.append(time.perf_counter() - started)
+            logits.append(out.logits[:, -1])
+    return 1000 * statistics.median(times), torch.stack(logits)
+
+
+def matmul_floor_ms(model, rows: int, repeats: int = 10) -> float:
+    """The step's ``F.linear`` calls alone on the real weights (median of ``repeats``), in ms."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(rows, m.in_features) for m in linears]
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for module, x in zip(linears, inputs, strict=True):
+                torch.nn.functional.linear(x, module.weight)
+            times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=440)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="a 120-token prompt, 8 steps, 2 rounds")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompt_tokens, args.steps, args.rounds = 120, 8, 2
+    torch.manual_seed(0)
+    model = load_model().eval()
+    prompt_BT = torch.randint(100, model.config.vocab_size - 100, (args.rows, args.prompt_tokens))
+    arms = {
+        "concatenating (DynamicLayer)": lambda: DynamicCache(config=model.config),
+        "in place (SlackLayer)": lambda: kv_cache.new_cache(model),
+    }
+    threads = torch.get_num_threads()
+    print(f"{args.rows} rows, {args.prompt_tokens}-token prompt, {args.steps} steps, {threads} threads")
+    results: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(args.rounds):
+        logits = {}
+        for name, make in arms.items():
+            ms, logits[name] = decode(model, prompt_BT, make, args.steps)
+            results[name].append(ms)
+        first, second = logits.values()
+        difference = (first - second).abs().max().item()
+        print(
+            "  "
+            + " | ".join(f"{n} {r[-1]:.1f} ms" for n, r in results.items())
+            + f" | max |dlogit| {difference:.1e}"
+        )
+    medians = {name: statistics.median(times) for name, times in results.items()}
+    base, new = medians.values()
+    print(
+        f"median step: {base:.1f} ms -> {new:.1f} ms: {new / base:.2f}x ({args.rows * 1000 / new:.0f} tok/s)"
+    )
+    print(f"the step's matmuls alone: {matmul_floor_ms(model, args.rows):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

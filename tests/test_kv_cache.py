@@ -1,0 +1,73 @@
+"""The generator's KV cache grows in place (kv_cache.SlackLayer): the same keys and values as
+transformers' concatenating DynamicLayer, through decode steps and every row and column surgery."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from cookbook_lib.generators import kv_cache
+
+
+def forward(model, cache, ids_BL: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=ids_BL, use_cache=True, **{kv_cache.cache_keyword(model): cache})
+    return out.logits[:, -1]
+
+
+def assert_same(cache: DynamicCache, reference: DynamicCache) -> None:
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_decode_steps_write_into_spare_columns_and_match_concatenation(tiny_model_and_tokenizer):
+    model = tiny_model_and_tokenizer[0].eval()
+    cache, reference = kv_cache.new_cache(model), DynamicCache(config=model.config)
+    assert all(type(layer) is kv_cache.SlackLayer for layer in cache.layers)
+    ids_BL = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(forward(model, cache, ids_BL), forward(model, reference, ids_BL))
+    storage = cache.layers[0].keys.untyped_storage().data_ptr()
+    reallocations = 0
+    for step in range(kv_cache.MIN_SLACK_COLUMNS + 4):
+        token_B1 = torch.full((3, 1), 5 + step)
+        assert torch.equal(forward(model, cache, token_B1), forward(model, reference, token_B1))
+        now = cache.layers[0].keys.untyped_storage().data_ptr()
+        reallocations, storage = reallocations + (now != storage), now
+    assert_same(cache, reference)
+    # 40 columns get 32 spare ones: one reallocation in 36 steps, where concatenation copies every step.
+    assert reallocations == 1
+    assert cache.get_seq_length() == reference.get_seq_length() == 40 + kv_cache.MIN_SLACK_COLUMNS + 4
+
+
+def test_surgery_on_a_growing_cache_gives_what_it_gives_on_a_concatenating_one(tiny_model_and_tokenizer):
+    model = tiny_model_and_tokenizer[0].eval()
+    ids = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    caches = []
+    for make in (lambda: kv_cache.new_cache(model), lambda: DynamicCache(config=model.config)):
+        cache, other = make(), make()
+        forward(model, cache, ids[:3])
+        forward(model, other, ids[3:, :7])
+        forward(model, cache, torch.full((3, 1), 9))  # into the spare columns
+        kv_cache.merge(cache, other)  # rows appended, left-padded
+        forward(model, cache, torch.full((4, 1), 7))
+        kv_cache.select_rows(cache, torch.tensor([3, 0, 2]))
+        forward(model, cache, torch.full((3, 1), 8))
+        kv_cache.drop_leading_columns(cache, 2)
+        forward(model, cache, torch.full((3, 1), 6))
+        stacked = kv_cache.stack_rows(model, [kv_cache.extract_row(cache, 1, torch.arange(4, 14))])
+        forward(model, stacked, torch.full((1, 1), 4))
+        caches.append((cache, stacked))
+    (cache, stacked), (reference, reference_stacked) = caches
+    assert_same(cache, reference)
+    assert_same(stacked, reference_stacked)
+    assert kv_cache.supports_merging(cache) and type(reference.layers[0]) is DynamicLayer
+
+
+def test_a_view_that_is_not_a_buffers_leading_columns_has_no_spare_room():
+    buffer = torch.zeros(2, 3, 20, 4)
+    assert kv_cache._spare_columns(buffer[:, :, :12]) == 8
+    assert kv_cache._spare_columns(buffer[:, :, 2:12]) == 0  # its columns start past the buffer's
+    assert kv_cache._spare_columns(buffer[:1, :, :12]) == 8  # leading rows: room in each
+    assert kv_cache._spare_columns(buffer[1:, :, :12]) == 0
+    assert kv_cache._spare_columns(torch.zeros(2, 3, 12, 4)) == 0
