@@ -15,13 +15,21 @@ def test_the_probe_measures_a_positive_ratio_and_caches_it(tmp_path, monkeypatch
     first = cpu_probe.bf16_speedup(tmp_path)
     assert first > 0
     entries = json.loads((tmp_path / cpu_probe.PROBE_FILE).read_text())
-    assert list(entries.values()) == [pytest.approx(first, rel=1e-3)]
+    assert list(entries.values()) == [first]  # the measuring run returns what it stored
 
     def no_measuring() -> float:
         raise AssertionError("measured again although the ratio is cached")
 
     monkeypatch.setattr(cpu_probe, "measure_bf16_speedup", no_measuring)
-    assert cpu_probe.bf16_speedup(tmp_path) == pytest.approx(first, rel=1e-3)
+    assert cpu_probe.bf16_speedup(tmp_path) == first
+
+
+def test_a_ratio_far_below_one_keeps_its_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_probe, "measure_bf16_speedup", lambda: 0.020659336269793143)
+    assert cpu_probe.bf16_speedup(tmp_path) == 0.0207
+    assert json.loads((tmp_path / cpu_probe.PROBE_FILE).read_text()) == {
+        next(iter(json.loads((tmp_path / cpu_probe.PROBE_FILE).read_text()))): 0.0207
+    }
 
 
 def test_the_cache_keeps_the_newest_entries_and_survives_a_bad_file(tmp_path, monkeypatch):
