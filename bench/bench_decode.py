@@ -1,27 +1,33 @@
-"""One CPU decode step of the embedded model: the concatenating KV cache against the in-place one.
+"""One CPU decode step of the embedded model: the concatenating KV cache, the in-place one, oneDNN linears.
 
     python bench/bench_decode.py                    # 16 rows, a 440-token prompt, 24 steps, 4 rounds
     python bench/bench_decode.py --rows 8 --quick
 
 ``DynamicLayer`` (transformers) concatenates every layer's cache each step; ``SlackLayer``
-(cookbook_lib/generators/kv_cache.py, what ``HFGenerator`` uses) writes into spare columns. Both
-arms run the same prompt and greedy tokens, alternating, and the bench prints the median step
-time of each, the ratio and the largest logit difference (0: the same numbers). It also times the
-step's matmuls alone, each of the model's weight shapes at these rows, as the floor a decode step
-stands on here. Timings on a shared machine are noisy: compare the ratios of one run.
+(cookbook_lib/generators/kv_cache.py) writes into spare columns; the third arm adds
+``onednn_linears`` (cookbook_lib.runtime.onednn_linear.py), which sends the linears to oneDNN
+instead of MKL: the two together are what ``HFGenerator`` runs on a CPU. The arms run the same
+prompt and greedy tokens, alternating, and the bench prints the median step time of each, its
+ratio to the first and its largest logit difference from the first (0: the same numbers). It
+also times the step's matmuls alone, each of the model's weight shapes at these rows, through
+MKL and through oneDNN, as the floor a decode step stands on here. Timings on a shared machine
+are noisy: compare the ratios of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
 
 from cookbook_lib.generators import kv_cache
 from cookbook_lib.runtime.models import load_model
+from cookbook_lib.runtime.onednn_linear import onednn_linears
 
 
 def decode(model, prompt_BT: torch.Tensor, make_cache, steps: int) -> tuple[float, torch.Tensor]:
@@ -40,12 +46,12 @@ def decode(model, prompt_BT: torch.Tensor, make_cache, steps: int) -> tuple[floa
     return 1000 * statistics.median(times), torch.stack(logits)
 
 
-def matmul_floor_ms(model, rows: int, repeats: int = 10) -> float:
+def matmul_floor_ms(model, rows: int, linears_context: Callable, repeats: int = 10) -> float:
     """The step's ``F.linear`` calls alone on the real weights (median of ``repeats``), in ms."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(rows, m.in_features) for m in linears]
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), linears_context():
         for _ in range(repeats):
             started = time.perf_counter()
             for module, x in zip(linears, inputs, strict=True):
@@ -67,31 +73,35 @@ def main() -> None:
     torch.manual_seed(0)
     model = load_model().eval()
     prompt_BT = torch.randint(100, model.config.vocab_size - 100, (args.rows, args.prompt_tokens))
-    arms = {
-        "concatenating (DynamicLayer)": lambda: DynamicCache(config=model.config),
-        "in place (SlackLayer)": lambda: kv_cache.new_cache(model),
+    plain = contextlib.nullcontext
+    arms: dict[str, tuple[Callable, Callable]] = {  # name: (a new cache, the linears' context)
+        "concatenating (DynamicLayer)": (lambda: DynamicCache(config=model.config), plain),
+        "in place (SlackLayer)": (lambda: kv_cache.new_cache(model), plain),
+        "in place + oneDNN linears": (lambda: kv_cache.new_cache(model), lambda: onednn_linears("cpu")),
     }
     threads = torch.get_num_threads()
     print(f"{args.rows} rows, {args.prompt_tokens}-token prompt, {args.steps} steps, {threads} threads")
     results: dict[str, list[float]] = {name: [] for name in arms}
+    differences: dict[str, float] = {name: 0.0 for name in arms}
     for _ in range(args.rounds):
         logits = {}
-        for name, make in arms.items():
-            ms, logits[name] = decode(model, prompt_BT, make, args.steps)
+        for name, (make_cache, linears_context) in arms.items():
+            with linears_context():
+                ms, logits[name] = decode(model, prompt_BT, make_cache, args.steps)
             results[name].append(ms)
-        first, second = logits.values()
-        difference = (first - second).abs().max().item()
-        print(
-            "  "
-            + " | ".join(f"{n} {r[-1]:.1f} ms" for n, r in results.items())
-            + f" | max |dlogit| {difference:.1e}"
-        )
+        first = next(iter(logits.values()))
+        for name, rows in logits.items():
+            differences[name] = max(differences[name], (rows - first).abs().max().item())
+        print("  " + " | ".join(f"{n} {r[-1]:.1f} ms" for n, r in results.items()))
     medians = {name: statistics.median(times) for name, times in results.items()}
-    base, new = medians.values()
-    print(
-        f"median step: {base:.1f} ms -> {new:.1f} ms: {new / base:.2f}x ({args.rows * 1000 / new:.0f} tok/s)"
-    )
-    print(f"the step's matmuls alone: {matmul_floor_ms(model, args.rows):.1f} ms")
+    base = next(iter(medians.values()))
+    for name, ms in medians.items():
+        print(
+            f"{name:>30}: {ms:6.1f} ms per step, {ms / base:.2f}x, {args.rows * 1000 / ms:4.0f} tok/s,"
+            f" max |dlogit| {differences[name]:.1e}"
+        )
+    mkl, onednn = (matmul_floor_ms(model, args.rows, c) for c in (plain, lambda: onednn_linears("cpu")))
+    print(f"the step's matmuls alone: {mkl:.1f} ms through MKL, {onednn:.1f} ms through oneDNN")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ def test_the_probe_measures_a_positive_ratio_and_caches_it(tmp_path, monkeypatch
     assert cpu_probe.bf16_speedup(tmp_path) == first
 
 
+def test_the_onednn_probe_has_its_own_entry(tmp_path):
+    bf16 = cpu_probe.bf16_speedup(tmp_path)
+    onednn = cpu_probe.onednn_linear_speedup(tmp_path)
+    entries = json.loads((tmp_path / cpu_probe.PROBE_FILE).read_text())
+    assert len(entries) == 2 and sorted(entries.values()) == sorted([bf16, onednn]) and onednn > 0
+
+
 def test_a_ratio_far_below_one_keeps_its_figures(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_probe, "measure_bf16_speedup", lambda: 0.020659336269793143)
     assert cpu_probe.bf16_speedup(tmp_path) == 0.0207
@@ -44,7 +51,7 @@ def test_the_cache_keeps_the_newest_entries_and_survives_a_bad_file(tmp_path, mo
     assert cpu_probe.bf16_speedup(tmp_path) == 0.5
     entries = json.loads(path.read_text())
     assert len(entries) == cpu_probe.MAX_ENTRIES
-    assert next(reversed(entries)).startswith("this cpu")  # the newest is kept
+    assert next(reversed(entries)).startswith("bf16: this cpu")  # the newest is kept
 
 
 @pytest.mark.parametrize(("speedup", "says"), [(0.02, "lacks native bf16"), (4.4, "4.4x the float32 rate")])

@@ -38,6 +38,7 @@ from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
 from cookbook_lib.generators.slot_batch import SlotDecodeBatch, fixed_shape_decode_supported
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 from cookbook_lib.generators.worker import WorkerGenerator
+from cookbook_lib.runtime.onednn_linear import onednn_linears
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class HFGenerator(WorkerGenerator):
         start = time.perf_counter()
         reused = sum(len(prefix) for prefix in prefixes if prefix is not None)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), onednn_linears(self.device):
                 finished = self._batch.admit(requests, self._version, prefixes)
         except Exception as exc:  # e.g. out of memory: these requests fail, the running batch goes on
             for request in requests:
@@ -244,7 +245,7 @@ class HFGenerator(WorkerGenerator):
     def _decode(self) -> None:
         start, rows = time.perf_counter(), len(self._batch)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), onednn_linears(self.device):
                 finished = self._batch.step(self._version)
         except Exception as exc:  # the cache may be half-updated: fail the whole batch
             for row in self._batch.clear():

@@ -36,6 +36,7 @@ from cookbook_lib.grpo.shared_prefix import (
 from cookbook_lib.rollout.episode import EndCause, TokenSequence
 from cookbook_lib.runtime.devices import Precision, autocast
 from cookbook_lib.runtime.memory import large_blocks_mapped, release_memory
+from cookbook_lib.runtime.onednn_linear import onednn_linears, recompute_as_forward
 from cookbook_lib.runtime.progress import progress_bar
 from cookbook_lib.runtime.quiet import quiet_libraries
 
@@ -60,7 +61,7 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
             f"{type(model).__name__} does not support activation checkpointing; "
             "set activation_checkpointing=False in the GRPOConfig"
         )
-    settings = {"use_reentrant": False}
+    settings = {"use_reentrant": False, "context_fn": recompute_as_forward}
     with quiet_libraries():
         if hasattr(model, "activation_checkpointing_enable"):  # its newer name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=settings)
@@ -192,7 +193,12 @@ class PolicyTrainer:
             rows = slice(start, start + HEAD_CHUNK_ROWS)
             if torch.is_grad_enabled():
                 chunk = torch.utils.checkpoint.checkpoint(
-                    self._head_logprobs, head, hidden_NH[rows], target_N[rows], use_reentrant=False
+                    self._head_logprobs,
+                    head,
+                    hidden_NH[rows],
+                    target_N[rows],
+                    use_reentrant=False,
+                    context_fn=recompute_as_forward,
                 )
             else:
                 chunk = self._head_logprobs(head, hidden_NH[rows], target_N[rows])
@@ -243,7 +249,8 @@ class PolicyTrainer:
             )
             return loss, metrics
 
-        with large_blocks_mapped():  # freed activations go back to the system at once
+        # Freed activations go back to the system at once; the matmuls run where they are fastest.
+        with large_blocks_mapped(), onednn_linears(self.device):
             return self._step(list(samples), micro_loss, progress="training")
 
     def sft_step(self, sequences: Sequence[TokenSequence]) -> dict[str, float]:
@@ -268,7 +275,7 @@ class PolicyTrainer:
             loss = -masked_sum(logprobs_BT, batch["loss_mask"]) / num_tokens
             return loss, {"sft_loss": loss.item()}
 
-        with large_blocks_mapped():  # freed activations go back to the system at once
+        with large_blocks_mapped(), onednn_linears(self.device):
             return self._step(samples, micro_loss)
 
     def _step(
@@ -280,7 +287,8 @@ class PolicyTrainer:
         """One optimizer step; ``progress`` names a bar over its micro-batches (None: no bar)."""
         if not samples:
             raise ValueError("a training step needs at least one sample")
-        release_memory()  # what sampling freed (KV caches, on the generator's thread) goes back first
+        # What sampling freed (KV caches, on the generator's thread) goes back first.
+        release_memory(full_collection=False)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
@@ -320,7 +328,7 @@ class PolicyTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        release_memory()  # the step's activations and gradients, before sampling allocates again
+        release_memory(full_collection=False)  # the step's activations and gradients, before sampling
         result = {
             key: (value if key.endswith("loss") else value / max(trained_tokens, 1))
             for key, value in totals.items()

@@ -1,13 +1,21 @@
-"""How fast this CPU runs bfloat16 matmuls against float32: a short probe, cached per CPU.
+"""How fast this CPU runs a matmul one way against another: short probes, cached per CPU.
+
+Two ratios, each against torch's float32 ``F.linear`` (MKL's sgemm on x86):
+
+- :func:`bf16_speedup`: bfloat16 matmuls.
+- :func:`onednn_linear_speedup`: float32 through oneDNN (``mkldnn._linear_pointwise``), which
+  sampling uses where it is faster (``cookbook_lib.runtime.onednn_linear.py``). MKL runs far
+  under its best on AMD CPUs: oneDNN took 0.45-0.55x its time at every shape of the embedded
+  model on a 2-core AMD EPYC (Zen 3), 0.3x for a decode step's LM head.
 
 A CPU with native bf16 (AVX512-BF16, AMX) runs bf16 matmuls several times its fp32 rate (4.4x
 measured on a Xeon's two cores); one without emulates them, far slower: 0.02x measured on two
 cores of an AMD EPYC (Zen 3, AVX2), where ``dtype="bfloat16"`` would make a run tens of times
 slower. ``Precision.describe`` (a run's first line) says which kind of CPU a bf16 run is on.
 
-The probe times one ``[32, 1024] @ [1024, 1024]`` matmul in each dtype (under a second even where
-bf16 is emulated) and keeps the ratio in ``$COOKBOOK_CACHE_DIR/cpu_probe.json``, keyed by the CPU's
-model name, torch's version and the thread count; the file keeps the newest ``MAX_ENTRIES``.
+A probe times one ``[32, 1024] @ [1024, 1024]`` matmul each way (under a second even where bf16
+is emulated) and keeps the ratio in ``$COOKBOOK_CACHE_DIR/cpu_probe.json``, keyed by the probe, the
+CPU's model name, torch's version and the thread count; the file keeps the newest ``MAX_ENTRIES``.
 """
 
 from __future__ import annotations
@@ -15,9 +23,11 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from cookbook_lib.runtime.models import cache_dir
 
@@ -37,31 +47,58 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _seconds_per_matmul(dtype: torch.dtype, min_total_s: float = 0.02, max_reps: int = 50) -> float:
-    rows, inner, columns = _SHAPE
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(rows, inner, generator=generator).to(dtype)
-    b = torch.randn(inner, columns, generator=generator).to(dtype)
-    a @ b  # first call: kernel selection and allocation, not the rate
+def _fastest_seconds(matmul: Callable[[], object], min_total_s: float = 0.02, max_reps: int = 50) -> float:
+    matmul()  # first call: kernel selection and allocation, not the rate
     best, spent, reps = float("inf"), 0.0, 0
     while reps < max_reps and (spent < min_total_s or reps < 2):
         started = time.perf_counter()
-        a @ b
+        matmul()
         elapsed = time.perf_counter() - started
         best, spent, reps = min(best, elapsed), spent + elapsed, reps + 1
     return best
 
 
+def _operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An input and a ``[out, in]`` weight, as ``F.linear`` takes them."""
+    rows, inner, columns = _SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inner, generator=generator).to(dtype)
+    weight = torch.randn(columns, inner, generator=generator).to(dtype)
+    return x, weight
+
+
+def _seconds_per_linear(dtype: torch.dtype) -> float:
+    x, weight = _operands(dtype)
+    return _fastest_seconds(lambda: F.linear(x, weight))
+
+
 def measure_bf16_speedup() -> float:
     """bf16 matmul rate over fp32's on this CPU now (>1: bf16 is faster), uncached."""
     with torch.inference_mode():
-        return _seconds_per_matmul(torch.float32) / _seconds_per_matmul(torch.bfloat16)
+        return _seconds_per_linear(torch.float32) / _seconds_per_linear(torch.bfloat16)
+
+
+def measure_onednn_linear_speedup() -> float:
+    """oneDNN's float32 linear rate over ``F.linear``'s on this CPU now (>1: oneDNN is faster), uncached."""
+    x, weight = _operands(torch.float32)
+    with torch.inference_mode():
+        onednn = _fastest_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
+        return _seconds_per_linear(torch.float32) / onednn
 
 
 def bf16_speedup(cache: Path | None = None) -> float:
     """:func:`measure_bf16_speedup`, measured once per CPU model, torch version and thread count."""
+    return _cached_ratio("bf16", measure_bf16_speedup, cache)
+
+
+def onednn_linear_speedup(cache: Path | None = None) -> float:
+    """:func:`measure_onednn_linear_speedup`, measured once per CPU model, torch version and thread count."""
+    return _cached_ratio("onednn linear", measure_onednn_linear_speedup, cache)
+
+
+def _cached_ratio(probe: str, measure: Callable[[], float], cache: Path | None) -> float:
     path = (cache or cache_dir()) / PROBE_FILE
-    key = f"{cpu_model_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    key = f"{probe}: {cpu_model_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     try:
         entries = json.loads(path.read_text())
         if not isinstance(entries, dict):
@@ -72,7 +109,7 @@ def bf16_speedup(cache: Path | None = None) -> float:
         return float(entries[key])
     # Three significant figures, returned as stored: a cached run and the measuring one see one
     # number (a ratio of 0.02 rounded to 4 decimals lost 0.2% between the two).
-    speedup = float(f"{measure_bf16_speedup():.3g}")
+    speedup = float(f"{measure():.3g}")
     entries.pop(key, None)
     entries[key] = speedup
     kept = dict(list(entries.items())[-MAX_ENTRIES:])

@@ -66,13 +66,16 @@ def can_release_memory() -> bool:
     return _malloc_trim() is not None
 
 
-def release_memory() -> None:
+def release_memory(full_collection: bool = True) -> None:
     """Collect garbage, then return every arena's free pages to the system (glibc only).
 
-    Cheap next to a training step (tens of milliseconds for gigabytes); call it between phases,
-    when the memory a phase used is free, not inside a hot loop.
+    ``full_collection=False`` collects only the young generations, where a training step's
+    garbage is: a full collection walks every object the process holds, ~0.23 s once
+    transformers is imported (367k objects), and a step released memory twice; 75% of a tiny
+    model's SFT warm-start went there. Trimming costs milliseconds for gigabytes. Call it between
+    phases, when the memory a phase used is free, not inside a hot loop.
     """
-    gc.collect()
+    gc.collect() if full_collection else gc.collect(1)
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
