@@ -11,7 +11,7 @@
    trainer runs it (``enable_activation_checkpointing``: checkpoint's ``context_fn`` recomputes
    under the same mode), plain and inside ``OneDnnLinears``, alternating: seconds, the ratio, the
    two losses and the relative difference of a weight's gradient (float32 rounding: ~1e-5).
-3. What the cached probe says (``cpu_probe.onednn_linear_speedup``) and so whether a run uses it.
+3. What the cached probe says (``onednn_linear.onednn_linear_speedup``) and so whether a run uses it.
 
 Timings on a shared machine are noisy: compare the ratios of one run.
 """
@@ -30,7 +30,12 @@ from cookbook_lib.grpo.trainer import enable_activation_checkpointing
 from cookbook_lib.runtime import cpu_probe
 from cookbook_lib.runtime.memory import large_blocks_mapped, release_memory
 from cookbook_lib.runtime.models import load_model
-from cookbook_lib.runtime.onednn_linear import MIN_SPEEDUP, OneDnnLinears, _onednn_linear
+from cookbook_lib.runtime.onednn_linear import (
+    MIN_SPEEDUP,
+    OneDnnLinears,
+    _onednn_linear,
+    onednn_linear_speedup,
+)
 
 
 def best_ms(work: Callable[[], object], repeats: int = 3, calls: int = 5) -> float:
@@ -117,7 +122,7 @@ def main() -> None:
         )
     mkl, onednn = (min(s) for s in seconds.values())
     print(f"training forward+backward: {mkl:.2f} s -> {onednn:.2f} s: **{onednn / mkl:.2f}x**")
-    speedup = cpu_probe.onednn_linear_speedup()
+    speedup = onednn_linear_speedup()
     print(f"the cached probe: oneDNN {speedup:.2f}x MKL's rate; runs use oneDNN: {speedup >= MIN_SPEEDUP}")
 
 

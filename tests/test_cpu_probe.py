@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cookbook_lib.runtime import cpu_probe
+from cookbook_lib.runtime import cpu_probe, onednn_linear
 from cookbook_lib.runtime.devices import resolve_precision
 
 
@@ -26,7 +26,7 @@ def test_the_probe_measures_a_positive_ratio_and_caches_it(tmp_path, monkeypatch
 
 def test_the_onednn_probe_has_its_own_entry(tmp_path):
     bf16 = cpu_probe.bf16_speedup(tmp_path)
-    onednn = cpu_probe.onednn_linear_speedup(tmp_path)
+    onednn = onednn_linear.onednn_linear_speedup(tmp_path)
     entries = json.loads((tmp_path / cpu_probe.PROBE_FILE).read_text())
     assert len(entries) == 2 and sorted(entries.values()) == sorted([bf16, onednn]) and onednn > 0
 

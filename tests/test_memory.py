@@ -241,7 +241,7 @@ def test_a_step_collects_young_garbage_only(monkeypatch):
     )
     memory.release_memory(full_collection=False)
     memory.release_memory()
-    assert generations == [1, None]
+    assert generations == [1, 2]
 
     class Node:
         pass

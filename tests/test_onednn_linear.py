@@ -137,7 +137,7 @@ def test_off_cpu_or_switched_off_it_does_nothing(monkeypatch):
 @pytest.mark.parametrize(("speedup", "chosen"), [(2.2, True), (1.05, False), (0.8, False)])
 def test_left_to_itself_it_is_chosen_where_it_measured_faster(monkeypatch, speedup, chosen):
     monkeypatch.delenv(onednn_linear.SWITCH_VARIABLE)
-    monkeypatch.setattr(onednn_linear.cpu_probe, "onednn_linear_speedup", lambda: speedup)
+    monkeypatch.setattr(onednn_linear, "onednn_linear_speedup", lambda: speedup)
     assert isinstance(onednn_linears("cpu"), OneDnnLinears) is chosen
 
 

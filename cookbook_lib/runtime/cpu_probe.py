@@ -1,12 +1,11 @@
 """How fast this CPU runs a matmul one way against another: short probes, cached per CPU.
 
-Two ratios, each against torch's float32 ``F.linear`` (MKL's sgemm on x86):
+Each ratio is against torch's float32 ``F.linear`` (MKL's sgemm on x86):
 
-- :func:`bf16_speedup`: bfloat16 matmuls.
-- :func:`onednn_linear_speedup`: float32 through oneDNN (``mkldnn._linear_pointwise``), which
-  sampling uses where it is faster (``cookbook_lib.runtime.onednn_linear.py``). MKL runs far
-  under its best on AMD CPUs: oneDNN took 0.45-0.55x its time at every shape of the embedded
-  model on a 2-core AMD EPYC (Zen 3), 0.3x for a decode step's LM head.
+- :func:`bf16_speedup` (here): bfloat16 matmuls.
+- ``onednn_linear.onednn_linear_speedup``: float32 through oneDNN, which sampling and training
+  use where it is faster; it measures with :func:`fastest_seconds` and caches with
+  :func:`cached_ratio`, both here.
 
 A CPU with native bf16 (AVX512-BF16, AMX) runs bf16 matmuls several times its fp32 rate (4.4x
 measured on a Xeon's two cores); one without emulates them, far slower: 0.02x measured on two
@@ -47,7 +46,8 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _fastest_seconds(matmul: Callable[[], object], min_total_s: float = 0.02, max_reps: int = 50) -> float:
+def fastest_seconds(matmul: Callable[[], object], min_total_s: float = 0.02, max_reps: int = 50) -> float:
+    """The fastest of a few calls of ``matmul``, in seconds (at least ``min_total_s`` spent)."""
     matmul()  # first call: kernel selection and allocation, not the rate
     best, spent, reps = float("inf"), 0.0, 0
     while reps < max_reps and (spent < min_total_s or reps < 2):
@@ -58,7 +58,7 @@ def _fastest_seconds(matmul: Callable[[], object], min_total_s: float = 0.02, ma
     return best
 
 
-def _operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """An input and a ``[out, in]`` weight, as ``F.linear`` takes them."""
     rows, inner, columns = _SHAPE
     generator = torch.Generator().manual_seed(0)
@@ -67,36 +67,26 @@ def _operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return x, weight
 
 
-def _seconds_per_linear(dtype: torch.dtype) -> float:
-    x, weight = _operands(dtype)
-    return _fastest_seconds(lambda: F.linear(x, weight))
+def seconds_per_linear(dtype: torch.dtype) -> float:
+    """The probe's ``F.linear`` in ``dtype``, fastest of a few calls."""
+    x, weight = linear_operands(dtype)
+    return fastest_seconds(lambda: F.linear(x, weight))
 
 
 def measure_bf16_speedup() -> float:
     """bf16 matmul rate over fp32's on this CPU now (>1: bf16 is faster), uncached."""
     with torch.inference_mode():
-        return _seconds_per_linear(torch.float32) / _seconds_per_linear(torch.bfloat16)
-
-
-def measure_onednn_linear_speedup() -> float:
-    """oneDNN's float32 linear rate over ``F.linear``'s on this CPU now (>1: oneDNN is faster), uncached."""
-    x, weight = _operands(torch.float32)
-    with torch.inference_mode():
-        onednn = _fastest_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
-        return _seconds_per_linear(torch.float32) / onednn
+        return seconds_per_linear(torch.float32) / seconds_per_linear(torch.bfloat16)
 
 
 def bf16_speedup(cache: Path | None = None) -> float:
     """:func:`measure_bf16_speedup`, measured once per CPU model, torch version and thread count."""
-    return _cached_ratio("bf16", measure_bf16_speedup, cache)
+    return cached_ratio("bf16", measure_bf16_speedup, cache)
 
 
-def onednn_linear_speedup(cache: Path | None = None) -> float:
-    """:func:`measure_onednn_linear_speedup`, measured once per CPU model, torch version and thread count."""
-    return _cached_ratio("onednn linear", measure_onednn_linear_speedup, cache)
-
-
-def _cached_ratio(probe: str, measure: Callable[[], float], cache: Path | None) -> float:
+def cached_ratio(probe: str, measure: Callable[[], float], cache: Path | None = None) -> float:
+    """``measure()``, run once per probe name, CPU model, torch version and thread count, then read
+    from ``cache`` (default ``$COOKBOOK_CACHE_DIR``)."""
     path = (cache or cache_dir()) / PROBE_FILE
     key = f"{probe}: {cpu_model_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     try:

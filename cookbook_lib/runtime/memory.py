@@ -75,7 +75,7 @@ def release_memory(full_collection: bool = True) -> None:
     model's SFT warm-start went there. Trimming costs milliseconds for gigabytes. Call it between
     phases, when the memory a phase used is free, not inside a hot loop.
     """
-    gc.collect() if full_collection else gc.collect(1)
+    gc.collect(2 if full_collection else 1)
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -17,7 +17,7 @@ Activation checkpointing recomputes under the mode where the forward ran under i
 (:func:`recompute_as_forward`, the trainer's ``context_fn``).
 
 It is on where oneDNN measured at least ``MIN_SPEEDUP`` times MKL's rate
-(``cpu_probe.onednn_linear_speedup``, once per CPU, cached): MKL is Intel's, and on an Intel CPU
+(:func:`onednn_linear_speedup`, once per CPU, cached): MKL is Intel's, and on an Intel CPU
 the two may be even. Elsewhere (slower there, no oneDNN in this torch build, a build whose op
 disagrees with ``F.linear`` on a check, or ``COOKBOOK_ONEDNN_LINEAR=0``) the mode does nothing;
 ``COOKBOOK_ONEDNN_LINEAR=1`` turns it on without the measurement.
@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 import threading
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -69,13 +70,26 @@ class OneDnnLinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def measure_onednn_linear_speedup() -> float:
+    """oneDNN's float32 linear rate over ``F.linear``'s on this CPU now (>1: oneDNN is faster), uncached."""
+    x, weight = cpu_probe.linear_operands(torch.float32)
+    with torch.inference_mode():
+        onednn = cpu_probe.fastest_seconds(lambda: _onednn_linear(x, weight, None))
+        return cpu_probe.seconds_per_linear(torch.float32) / onednn
+
+
+def onednn_linear_speedup(cache: Path | None = None) -> float:
+    """:func:`measure_onednn_linear_speedup`, measured once per CPU model, torch version and thread count."""
+    return cpu_probe.cached_ratio("onednn linear", measure_onednn_linear_speedup, cache)
+
+
 @functools.cache
 def onednn_linear_chosen() -> bool:
     """Whether linears go to oneDNN here: it works, and it is faster (or switched on)."""
     switch = os.environ.get(SWITCH_VARIABLE, "")
     if switch == "0" or not onednn_linear_works():
         return False
-    return switch == "1" or cpu_probe.onednn_linear_speedup() >= MIN_SPEEDUP
+    return switch == "1" or onednn_linear_speedup() >= MIN_SPEEDUP
 
 
 @functools.cache
