@@ -234,11 +234,14 @@ def test_single_turn_env_scores_the_reply():
 
 @pytest.mark.slow
 def test_grpo_raises_a_trivially_learnable_reward(tiny_model_dir, tmp_path):
+    # Eight steps of one seed rose by 0.08 on one CI machine's CPU (another CPU rounds otherwise, and
+    # the run samples otherwise from the first step on); twelve rose by 0.19-0.33 on every one of
+    # 4 seeds x 2 linear kernels here (2026-12-02).
     torch.manual_seed(0)
     config = tiny_config(
         tiny_model_dir,
         tmp_path,
-        num_steps=8,
+        num_steps=12,
         batch_size=4,
         episodes_per_task=8,
         learning_rate=3e-3,
@@ -249,5 +252,5 @@ def test_grpo_raises_a_trivially_learnable_reward(tiny_model_dir, tmp_path):
     )
     result = run_single_turn(config)
     rewards = [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards

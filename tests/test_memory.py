@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import random
 import subprocess
 import sys
@@ -188,14 +189,19 @@ print(inside, returned_on_free())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
-def test_large_blocks_mapped_returns_freed_blocks_at_once_and_only_within_the_block():
+@pytest.mark.parametrize("huge_pages", ["0", "1"])
+def test_large_blocks_mapped_returns_freed_blocks_at_once_and_only_within_the_block(huge_pages):
     # A fresh process: glibc serves a block from the free memory its arenas already hold before
     # it maps a new one, and this test process's arenas hold whatever earlier tests freed.
-    completed = subprocess.run(
-        [sys.executable, "-c", _MAPPED_PROBE], capture_output=True, text=True, check=True, timeout=300
-    )
+    # The probe imports torch first, so THP_MEM_ALLOC_ENABLE is what this test sets.
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": huge_pages}
+    command = [sys.executable, "-c", _MAPPED_PROBE]
+    completed = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300, env=env)
     inside, outside = map(int, completed.stdout.split())
-    assert inside > 300 * 1024**2
+    if huge_pages == "1":
+        assert inside < 100 * 1024**2  # under 32 MB: kept in the arenas (memory.step_mmap_threshold)
+    else:
+        assert inside > 300 * 1024**2  # 400 KB blocks: mapped within a step, returned when freed
     assert outside < 100 * 1024**2  # after the block, glibc's threshold is back at 32 MB
 
 

@@ -48,6 +48,7 @@ from cookbook_lib.types import Message, ToolSpec
 
 RAY_HINT = 'Ray is not installed: pip install -e ".[ray]" (CI installs it in .ci/run)'
 COMPARED = ("reward_mean", "trained_groups", "policy_version", "train/grad_norm", "train/entropy")
+STRUCTURAL = ("trained_groups", "policy_version")
 
 
 # --- config checks (no Ray needed) -------------------------------------------------------------
@@ -152,12 +153,18 @@ def test_seeded_lockstep_matches_local_replicas(ray_cluster, tiny_model_dir, tmp
         )
         results[placement] = train_single_turn(config, tasks=SINGLE_TURN_TASKS, reward_fn=vowel_share)
     assert our_actors(ray_cluster) == []
-    for local, remote in zip(results["local"].metrics[1:], results["ray"].metrics[1:], strict=True):
-        for name in COMPARED:
-            assert remote.get(name) == pytest.approx(local.get(name), rel=1e-4), name
-    for step in (1, 2):  # the same seeds, drawn in the driver: the same samples
-        local, remote = (_sampled_tokens(results[p].run_dir, step) for p in ("local", "ray"))
-        _assert_the_same_draws(local, remote)
+    diverged = False  # a draw on a boundary took one episode its own way (_assert_the_same_draws)
+    steps = zip(results["local"].metrics[1:], results["ray"].metrics[1:], strict=True)
+    for local_metrics, remote_metrics in steps:
+        step = local_metrics["step"]
+        if not diverged:  # the same seeds, drawn in the driver, on the same weights: the same samples
+            local, remote = (_sampled_tokens(results[p].run_dir, step) for p in ("local", "ray"))
+            _assert_the_same_draws(local, remote)
+            diverged = local != remote
+        # After another episode, the loss and the next weights differ too (2% in grad_norm, seen in
+        # CI): only what does not depend on the samples is compared from there on.
+        for name in STRUCTURAL if diverged else COMPARED:
+            assert remote_metrics.get(name) == pytest.approx(local_metrics.get(name), rel=1e-4), (step, name)
     # Each replica's forward passes are on its own lane, and each publication is a weight sync.
     timeline = Timeline.load(results["ray"].run_dir / TIMELINE_FILE)
     for i in (0, 1):

@@ -15,7 +15,14 @@ gradients leaves holes that the next allocations do not fit, so a step's residen
 its live memory (measured with the embedded model and activation checkpointing: 1.1 GB more than
 the weights and AdamW state, against 0.2 GB live). :func:`large_blocks_mapped` gives every block
 of 256 KB or more its own mapping for the duration of a step, returned to the system the moment
-it is freed; that cost no measurable time per step, and removed those 0.9 GB.
+it is freed; that removed those 0.9 GB. Such blocks come back from the kernel unbacked: a
+demo step spent 35% of its user time in the kernel faulting 7M pages of 4 KB
+(``bench/bench_page_faults.py``, session 14). Where the user switches torch's huge pages on
+(``THP_MEM_ALLOC_ENABLE=1`` before torch loads, ``runtime.huge_pages``), tensors of 2 MB or more
+fault 2 MB at a time and a step keeps blocks under 32 MB in the arenas: that step took 0.70-0.74x
+the time with 3% of the faults, and the demo ran 8:48 with 6.6% of its user time in the kernel,
+but its resident peak rose from ~3.7-4.1 to 5.0 GB, over the 4 GB budget of a laptop run: so it
+is an opt-in (docs/benchmarks.md, session 14).
 
 Elsewhere (macOS, musl) there is no ``malloc_trim`` or ``mallopt``: :func:`release_memory` only
 collects Python's garbage and :func:`large_blocks_mapped` does nothing.
@@ -31,8 +38,11 @@ import gc
 import threading
 from collections.abc import Iterator
 
+from cookbook_lib.runtime.huge_pages import huge_pages_requested
+
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
 _STEP_MMAP_THRESHOLD = 256 * 1024
+_STEP_MMAP_THRESHOLD_HUGE_PAGES = 32 * 1024 * 1024
 # glibc's own ceiling for its sliding threshold (64-bit): outside steps, blocks up to 32 MB (a
 # generator's KV cache layers, copied at every decode step) are reused from the arenas, as before.
 _DEFAULT_MMAP_THRESHOLD = 32 * 1024 * 1024
@@ -81,9 +91,18 @@ def release_memory(full_collection: bool = True) -> None:
         trim(0)
 
 
+def step_mmap_threshold() -> int:
+    """The size from which a training step's blocks get their own mapping: 256 KB (the step's
+    resident size follows its live memory, every 4 KB page faults), or 32 MB where the user switched
+    torch's huge pages on (blocks under it are reused from the arenas, larger ones fault 2 MB at a
+    time: faster, with a higher peak)."""
+    return _STEP_MMAP_THRESHOLD_HUGE_PAGES if huge_pages_requested() else _STEP_MMAP_THRESHOLD
+
+
 @contextlib.contextmanager
 def large_blocks_mapped() -> Iterator[None]:
-    """Within the block, allocations of 256 KB or more get their own mapping (glibc only).
+    """Within the block, allocations of 256 KB or more get their own mapping (glibc only); 32 MB
+    or more where torch's huge pages are on (:func:`step_mmap_threshold`).
 
     Such a block goes back to the system the moment it is freed, so a training step's resident
     size follows its live memory. Steps on several threads may overlap: the threshold goes back
@@ -97,7 +116,7 @@ def large_blocks_mapped() -> Iterator[None]:
     with _steps_lock:
         _steps_running += 1
         if _steps_running == 1:
-            mallopt(_M_MMAP_THRESHOLD, _STEP_MMAP_THRESHOLD)
+            mallopt(_M_MMAP_THRESHOLD, step_mmap_threshold())
     try:
         yield
     finally:
