@@ -42,8 +42,8 @@ MB = 1024 * 1024
 BASELINE = "4 KB pages, map >= 256 KB (session 13)"
 # Each arm: environment variables for torch, and glibc malloc's thresholds within a step.
 # ``step_mmap_threshold``: blocks of that size or more get their own mapping (it replaces
-# ``memory._STEP_MMAP_THRESHOLD``); ``trim_threshold``: free memory at a heap's top that glibc keeps
-# rather than returning it (128 KB once a threshold is set, as the library does; unset: that).
+# ``memory.step_mmap_threshold``, which picks 32 MB wherever THP is on); ``trim_threshold``: free
+# memory at a heap's top that glibc keeps rather than returning it (unset: 128 KB, glibc's own).
 ARMS: dict[str, dict] = {
     BASELINE: {"env": {}, "step_mmap_threshold": 256 * 1024},
     "THP for >= 2 MB": {"env": {"THP_MEM_ALLOC_ENABLE": "1"}, "step_mmap_threshold": 256 * 1024},
@@ -83,7 +83,8 @@ def child(episodes: Path, model: Path, arm: dict) -> None:
     from cookbook_lib.runtime import memory
     from recipes.grpo.tool_use_game import demo_config
 
-    memory._STEP_MMAP_THRESHOLD = arm["step_mmap_threshold"]
+    threshold = arm["step_mmap_threshold"]
+    memory.step_mmap_threshold = lambda: threshold  # large_blocks_mapped looks it up at each step
     if arm.get("trim_threshold") is not None:
         memory._mallopt()(_M_TRIM_THRESHOLD, arm["trim_threshold"])
 

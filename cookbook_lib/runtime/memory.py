@@ -15,14 +15,10 @@ gradients leaves holes that the next allocations do not fit, so a step's residen
 its live memory (measured with the embedded model and activation checkpointing: 1.1 GB more than
 the weights and AdamW state, against 0.2 GB live). :func:`large_blocks_mapped` gives every block
 of 256 KB or more its own mapping for the duration of a step, returned to the system the moment
-it is freed; that removed those 0.9 GB. Such blocks come back from the kernel unbacked: a
-demo step spent 35% of its user time in the kernel faulting 7M pages of 4 KB
-(``bench/bench_page_faults.py``, session 14). Where the user switches torch's huge pages on
-(``THP_MEM_ALLOC_ENABLE=1`` before torch loads, ``runtime.huge_pages``), tensors of 2 MB or more
-fault 2 MB at a time and a step keeps blocks under 32 MB in the arenas: that step took 0.70-0.74x
-the time with 3% of the faults, and the demo ran 8:48 with 6.6% of its user time in the kernel,
-but its resident peak rose from ~3.7-4.1 to 5.0 GB, over the 4 GB budget of a laptop run: so it
-is an opt-in (docs/benchmarks.md, session 14).
+it is freed; that removed those 0.9 GB. Such blocks come back from the kernel unbacked, and a
+demo step spent 35% of its user time in the kernel faulting 4 KB pages: where the user switches
+torch's huge pages on, a step keeps blocks under 32 MB in the arenas instead
+(:func:`step_mmap_threshold`; the measurements and why it is an opt-in: ``runtime.huge_pages``).
 
 Elsewhere (macOS, musl) there is no ``malloc_trim`` or ``mallopt``: :func:`release_memory` only
 collects Python's garbage and :func:`large_blocks_mapped` does nothing.
