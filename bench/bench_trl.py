@@ -1,0 +1,361 @@
+"""Our multi-turn GRPO step against TRL's on the same work: step time and reward per step.
+
+    python bench/bench_trl.py --install                 # TRL 1.16 and what it needs, into .bench-deps/trl
+    python bench/bench_trl.py                           # 3 seeds x 5 steps, each side
+    python bench/bench_trl.py --quick                   # 1 seed x 2 steps
+
+The work: the tool-use game's tier-1 tasks (the demo's), 4 tasks x 4 episodes a step, at most 6
+turns of at most 48 new tokens, learning rate 5e-5, no KL term, sampled at temperature 1. Both
+sides start from one warm-started model that this bench makes once (the embedded SmolLM2 with
+Qwen2.5's chat template as TRL ships it, so TRL's own tool-call parser reads its calls, then the
+demo's expert warm-start through our trainer) and see the same tasks in the same order: step s
+plays ``lockstep.tasks_for_step(seed, s)``, TRL reads them from an unshuffled dataset.
+
+TRL (``GRPOTrainer`` with ``environment_factory``, the game's three tools as the environment's
+methods) keeps its defaults otherwise: its DAPO loss, gradient checkpointing, its generation
+through ``transformers``; ``bf16`` follows ``--dtype`` for both sides (float32 where the CPU has
+no native bf16, bf16 is 5-50x slower there: docs/benchmarks.md). Ours runs ``train_multi_turn``
+with the demo's config, one sampling round a step (``max_sampling_attempts=1``), so both sample
+16 episodes a step. Each side runs in a fresh process per seed, the two alternating; a step's time
+is from the start of its sampling to the end of its optimizer step.
+
+TRL is not one of our dependencies: ``--install`` puts it in its own folder (``pip install
+--target``, never into .venv), and only TRL's process puts that folder on its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRL_DIR = REPO / ".bench-deps" / "trl"
+WORK_DIR = REPO / "runs" / "bench_trl"
+# TRL's pin and what it needs beyond our .venv (accelerate, transformers and torch are ours).
+TRL_PACKAGES = (
+    "trl==1.16.0", "datasets==5.2.0", "pyarrow==24.0.0", "pandas==3.1.1", "dill==0.3.8",
+    "multiprocess==0.70.16",
+)  # fmt: skip
+GROUPS, GROUP_SIZE, MAX_TURNS, MAX_TOKENS_PER_TURN, LEARNING_RATE = 4, 4, 6, 48, 5e-5
+# TRL budgets a whole episode's tokens after the prompt (tool results included), not a turn's.
+TRL_MAX_COMPLETION_TOKENS = 384
+RESULT = "BENCH_TRL_STEP"
+
+
+def install(trl_dir: Path) -> None:
+    trl_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(trl_dir)]
+    subprocess.run([*command, *TRL_PACKAGES], check=True)
+    print(f"installed {', '.join(TRL_PACKAGES)} into {trl_dir}")
+
+
+# ---------------------------------------------------------------- the shared starting point
+
+
+def prepare(work_dir: Path, dtype: str) -> None:
+    """The warm-started model both sides start from, in ``work_dir/prepare/warm_start_model``."""
+    from cookbook_lib.codecs.reference import reference_template_text
+    from cookbook_lib.grpo.train import train_multi_turn
+    from cookbook_lib.runtime.models import load_tokenizer, resolve_model
+    from envs.tool_use_game import ToolUseGameEnv
+    from recipes.grpo.tool_use_game import demo_config, demo_setup
+
+    base = work_dir / "base_model"
+    if base.exists():
+        shutil.rmtree(base)
+    shutil.copytree(resolve_model(), base)
+    tokenizer = load_tokenizer(str(base))
+    tokenizer.chat_template = reference_template_text("qwen2_5")
+    tokenizer.save_pretrained(base)
+    demo = demo_setup(val_tasks=1, warm_start_demos=64, warm_start_steps=8, seed=0)
+    # One tiny GRPO step after the warm-start: train_multi_turn is the warm-start's real path.
+    config = demo_config(
+        model=str(base), run_name="prepare", runs_dir=str(work_dir), num_steps=1, batch_size=1,
+        episodes_per_task=2, max_turns=2, max_tokens_per_turn=8, validation_interval=0,
+        checkpoint_interval=0, final_checkpoint="none", keep_warm_start_model=True, dtype=dtype,
+    )  # fmt: skip
+    train_multi_turn(
+        config, tasks=demo.train_tasks, env_factory=lambda task: ToolUseGameEnv(), warm_start=demo.warm_start
+    )
+
+
+def tier1_tasks():
+    from envs.tool_use_game import load_tool_use_game_tasks
+    from recipes.grpo.tool_use_game import DEMO_TIERS
+
+    return [t for t in load_tool_use_game_tasks("train") if str(t.metadata["tier"]) in DEMO_TIERS.split(",")]
+
+
+def our_config(model: Path, seed: int, steps: int, dtype: str, work_dir: Path):
+    from recipes.grpo.tool_use_game import demo_config
+
+    return demo_config(
+        model=str(model), run_name=f"ours-seed{seed}", runs_dir=str(work_dir), seed=seed, num_steps=steps,
+        batch_size=GROUPS, episodes_per_task=GROUP_SIZE, max_turns=MAX_TURNS,
+        max_tokens_per_turn=MAX_TOKENS_PER_TURN, learning_rate=LEARNING_RATE, max_sampling_attempts=1,
+        validation_interval=0, checkpoint_interval=0, final_checkpoint="none", dtype=dtype,
+    )  # fmt: skip
+
+
+def report(side: str, seed: int, step: int, seconds: float, reward: float) -> None:
+    record = dict(side=side, seed=seed, step=step, seconds=round(seconds, 2), reward=round(reward, 4))
+    print(RESULT, json.dumps(record), flush=True)
+
+
+# ---------------------------------------------------------------- our side
+
+
+def run_ours(model: Path, seed: int, steps: int, dtype: str, work_dir: Path) -> None:
+    from cookbook_lib.grpo.train import train_multi_turn
+    from envs.tool_use_game import ToolUseGameEnv
+
+    config = our_config(model, seed, steps, dtype, work_dir)
+    shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
+    last = [time.perf_counter()]
+
+    def on_step(outcome) -> None:
+        now = time.perf_counter()
+        if outcome.step > 0:  # step 0 is the (empty) validation before training
+            report("ours", seed, outcome.step, now - last[0], outcome.metrics["reward_mean"])
+        last[0] = now
+
+    train_multi_turn(config, tasks=tier1_tasks(), env_factory=lambda task: ToolUseGameEnv(), on_step=on_step)
+
+
+# ---------------------------------------------------------------- TRL's side
+
+
+class _GameTools:
+    """The tool-use game as TRL's ``environment_factory`` wants it: its tools as public methods."""
+
+    def __init__(self) -> None:
+        from envs.math_env import CalculatorTool
+        from envs.tool_use_game.facts import FactBook
+        from envs.tool_use_game.tools import ListFactKeysTool, LookupTool
+
+        self._book = FactBook()
+        self._tools = {
+            "list_fact_keys": ListFactKeysTool(self._book),
+            "lookup": LookupTool(self._book),
+            "calculator": CalculatorTool(),
+        }
+
+    def reset(self, **row) -> None:
+        self._book.load(json.loads(row["facts"]))
+
+    def _call(self, name: str, **arguments) -> str:
+        import asyncio
+
+        # Our tools' own code; an exception (an unknown key) is TRL's to turn into an error result.
+        return asyncio.run(self._tools[name].execute(json.dumps(arguments))).content
+
+    def list_fact_keys(self) -> str:
+        return self._call("list_fact_keys")
+
+    def lookup(self, key: str) -> str:
+        return self._call("lookup", key=key)
+
+    def calculator(self, expression: str) -> str:
+        return self._call("calculator", expression=expression)
+
+
+def _describe_tool_methods() -> None:
+    """TRL builds each tool's schema from its method's docstring: give them our tools' descriptions."""
+    from envs.math_env import CalculatorTool
+    from envs.tool_use_game.tools import ListFactKeysTool, LookupTool
+
+    def doc(tool, arguments: dict[str, str]) -> str:
+        lines = [tool.description]
+        if arguments:
+            lines += ["", "Args:", *(f"    {name}: {text}" for name, text in arguments.items())]
+        return "\n".join(lines)
+
+    def argument_text(tool, name: str) -> str:
+        return tool.parameters_schema["properties"][name].get("description", name)
+
+    _GameTools.list_fact_keys.__doc__ = doc(ListFactKeysTool, {})
+    _GameTools.lookup.__doc__ = doc(LookupTool, {"key": argument_text(LookupTool, "key")})
+    _GameTools.calculator.__doc__ = doc(
+        CalculatorTool, {"expression": argument_text(CalculatorTool, "expression")}
+    )
+
+
+_describe_tool_methods()
+
+
+def game_reward(completions: list[list[dict]], target: list[str], **kwargs) -> list[float]:
+    """The game's score of each TRL completion: 1.0 for a final reply (no tool call) whose number
+    matches the target, as ``ToolUseGameEnv.score`` scores an episode."""
+    from cookbook_lib.envs.scoring import numbers_match
+
+    rewards = []
+    for messages, wanted in zip(completions, target, strict=True):
+        final = messages[-1] if messages else {}
+        answered = final.get("role") == "assistant" and not final.get("tool_calls")
+        rewards.append(1.0 if answered and numbers_match(final.get("content") or "", wanted) else 0.0)
+    return rewards
+
+
+def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path) -> None:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import datasets.arrow_dataset
+    import datasets.fingerprint
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from cookbook_lib.grpo.lockstep import tasks_for_step
+    from envs.tool_use_game.env import SYSTEM_PROMPT
+
+    # datasets 5.2 cannot hash an in-memory table here (dill fails on pyarrow's MonthDayNano type,
+    # whichever pyarrow and dill we tried): a random fingerprint only turns its cache off.
+    datasets.arrow_dataset.generate_fingerprint = lambda dataset: (
+        datasets.fingerprint.generate_random_fingerprint()
+    )
+    config = our_config(model, seed, steps, dtype, work_dir)
+    tasks = tier1_tasks()
+    ordered = [
+        task for step in range(1, steps + 1) for task in tasks_for_step(tasks, config, step, 0, GROUPS)
+    ]
+    rows = {
+        "prompt": [
+            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
+            for task in ordered
+        ],
+        "facts": [json.dumps(task.metadata["facts"]) for task in ordered],
+        "target": [str(task.target) for task in ordered],
+    }
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds = time.perf_counter() - self.started
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                report("trl", seed, state.global_step, self.seconds, float(logs["reward"]))
+
+    bf16 = dtype == "bfloat16"
+    args = GRPOConfig(
+        output_dir=str(work_dir / f"trl-seed{seed}"), seed=seed, max_steps=steps, learning_rate=LEARNING_RATE,
+        per_device_train_batch_size=GROUP_SIZE, gradient_accumulation_steps=GROUPS,
+        num_generations=GROUP_SIZE,
+        max_completion_length=TRL_MAX_COMPLETION_TOKENS, max_tool_calling_iterations=MAX_TURNS - 1,
+        temperature=1.0, shuffle_dataset=False, use_cpu=True, bf16=bf16, logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True, lr_scheduler_type="constant",
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(model), dtype="float32"),
+        reward_funcs=game_reward,
+        args=args,
+        train_dataset=Dataset.from_dict(rows),
+        processing_class=AutoTokenizer.from_pretrained(str(model), padding_side="left"),
+        environment_factory=_GameTools,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run_side(
+    side: str, model: Path, seed: int, steps: int, dtype: str, work_dir: Path, trl_dir: Path
+) -> list[dict]:
+    env = dict(os.environ)
+    if side == "trl":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(trl_dir), str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, __file__, f"--side={side}", f"--model={model}", f"--seed={seed}",
+               f"--steps={steps}", f"--dtype={dtype}", f"--work-dir={work_dir}"]  # fmt: skip
+    started = time.perf_counter()
+    process = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+    records = [
+        json.loads(line[len(RESULT) :]) for line in process.stdout.splitlines() if line.startswith(RESULT)
+    ]
+    if process.returncode != 0 or len(records) != steps:
+        sys.stderr.write(process.stdout[-4000:] + process.stderr[-4000:])
+        raise SystemExit(f"{side} seed {seed}: exit {process.returncode}, {len(records)} of {steps} steps")
+    print(f"  {side:<4} seed {seed}: {time.perf_counter() - started:.0f} s wall; "
+          + ", ".join(f"{r['seconds']:.0f} s/{r['reward']:.2f}" for r in records), flush=True)  # fmt: skip
+    return records
+
+
+def summarise(records: list[dict], steps: int) -> None:
+    def per_step(side: str) -> list[float]:
+        return [statistics.mean(r["reward"] for r in records if r["side"] == side and r["step"] == s)
+                for s in range(1, steps + 1)]  # fmt: skip
+
+    def step_seconds(side: str) -> float:
+        return statistics.median(r["seconds"] for r in records if r["side"] == side)
+
+    seeds = sorted({r["seed"] for r in records})
+    print(f"\nreward per step, mean over {len(seeds)} seed(s) (each step: 16 episodes of 4 tasks):")
+    for side in ("ours", "trl"):
+        curve = per_step(side)
+        print(
+            f"  {side:<4} "
+            + "  ".join(f"{value:.3f}" for value in curve)
+            + f"   mean {statistics.mean(curve):.3f}"
+        )
+    ours, trl = step_seconds("ours"), step_seconds("trl")
+    print(f"median step time: ours {ours:.1f} s, TRL {trl:.1f} s: ours / TRL = {ours / trl:.2f}x")
+    for side, seconds in (("ours", ours), ("trl", trl)):
+        rewards = [r["reward"] for r in records if r["side"] == side]
+        print(f"  {side:<4} mean reward {statistics.mean(rewards):.3f} a step, "
+              f"{statistics.mean(rewards) / (seconds / 60):.3f} a wall-minute of steps")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--install", action="store_true", help="install TRL into --trl-dir and stop")
+    parser.add_argument("--trl-dir", type=Path, default=DEFAULT_TRL_DIR)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="1 seed x 2 steps")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--work-dir", type=Path, default=WORK_DIR)
+    parser.add_argument("--side", choices=("prepare", "ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.install:
+        install(args.trl_dir)
+        return
+    if args.side == "prepare":
+        prepare(args.work_dir, args.dtype)
+        return
+    if args.side:
+        runner = run_ours if args.side == "ours" else run_trl
+        runner(args.model, args.seed, args.steps, args.dtype, args.work_dir)
+        return
+    if not (args.trl_dir / "trl").is_dir():
+        raise SystemExit(f"TRL is not in {args.trl_dir}: run `python bench/bench_trl.py --install` first")
+    seeds, steps = (1, 2) if args.quick else (args.seeds, args.steps)
+    model = args.work_dir / "prepare" / "warm_start_model"
+    if not (model / "config.json").is_file():
+        print(f"preparing the warm-started model in {model} (once)", flush=True)
+        # In its own process: the driver holds no model while the sides run.
+        subprocess.run([sys.executable, __file__, "--side=prepare", f"--dtype={args.dtype}",
+                        f"--work-dir={args.work_dir}"], cwd=REPO, check=True)  # fmt: skip
+    print(
+        f"{seeds} seed(s) x {steps} steps, {GROUPS}x{GROUP_SIZE} episodes a step, {args.dtype}:", flush=True
+    )
+    records: list[dict] = []
+    for seed in range(seeds):
+        order = ("ours", "trl") if seed % 2 == 0 else ("trl", "ours")
+        for side in order:
+            records += run_side(side, model, seed, steps, args.dtype, args.work_dir, args.trl_dir)
+    summarise(records, steps)
+
+
+if __name__ == "__main__":
+    main()
