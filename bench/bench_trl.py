@@ -5,7 +5,8 @@
     python bench/bench_trl.py --quick                   # 1 seed x 2 steps
 
 The work: the tool-use game's tier-1 tasks (the demo's), 4 tasks x 4 episodes a step, at most 6
-turns of at most 48 new tokens, learning rate 5e-5, no KL term, sampled at temperature 1. Both
+turns of at most 48 new tokens, the demo's learning rate 5e-5 (``--learning-rate``), no KL term,
+sampled at temperature 1. Both
 sides start from one warm-started model that this bench makes once (the embedded SmolLM2 with
 Qwen2.5's chat template as TRL ships it, so TRL's own tool-call parser reads its calls, then the
 demo's expert warm-start through our trainer) and see the same tasks in the same order: step s
@@ -43,7 +44,8 @@ TRL_PACKAGES = (
     "trl==1.16.0", "datasets==5.2.0", "pyarrow==24.0.0", "pandas==3.1.1", "dill==0.3.8",
     "multiprocess==0.70.16",
 )  # fmt: skip
-GROUPS, GROUP_SIZE, MAX_TURNS, MAX_TOKENS_PER_TURN, LEARNING_RATE = 4, 4, 6, 48, 5e-5
+GROUPS, GROUP_SIZE, MAX_TURNS, MAX_TOKENS_PER_TURN = 4, 4, 6, 48
+DEMO_LEARNING_RATE = 5e-5  # the demo's; --learning-rate changes it for both sides
 # TRL budgets a whole episode's tokens after the prompt (tool results included), not a turn's.
 TRL_MAX_COMPLETION_TOKENS = 384
 RESULT = "BENCH_TRL_STEP"
@@ -93,13 +95,13 @@ def tier1_tasks():
     return [t for t in load_tool_use_game_tasks("train") if str(t.metadata["tier"]) in DEMO_TIERS.split(",")]
 
 
-def our_config(model: Path, seed: int, steps: int, dtype: str, work_dir: Path):
+def our_config(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float):
     from recipes.grpo.tool_use_game import demo_config
 
     return demo_config(
         model=str(model), run_name=f"ours-seed{seed}", runs_dir=str(work_dir), seed=seed, num_steps=steps,
         batch_size=GROUPS, episodes_per_task=GROUP_SIZE, max_turns=MAX_TURNS,
-        max_tokens_per_turn=MAX_TOKENS_PER_TURN, learning_rate=LEARNING_RATE, max_sampling_attempts=1,
+        max_tokens_per_turn=MAX_TOKENS_PER_TURN, learning_rate=learning_rate, max_sampling_attempts=1,
         validation_interval=0, checkpoint_interval=0, final_checkpoint="none", dtype=dtype,
     )  # fmt: skip
 
@@ -112,11 +114,11 @@ def report(side: str, seed: int, step: int, seconds: float, reward: float) -> No
 # ---------------------------------------------------------------- our side
 
 
-def run_ours(model: Path, seed: int, steps: int, dtype: str, work_dir: Path) -> None:
+def run_ours(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
     from cookbook_lib.grpo.train import train_multi_turn
     from envs.tool_use_game import ToolUseGameEnv
 
-    config = our_config(model, seed, steps, dtype, work_dir)
+    config = our_config(model, seed, steps, dtype, work_dir, learning_rate)
     shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
     last = [time.perf_counter()]
 
@@ -203,7 +205,7 @@ def game_reward(completions: list[list[dict]], target: list[str], **kwargs) -> l
     return rewards
 
 
-def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path) -> None:
+def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import datasets.arrow_dataset
     import datasets.fingerprint
@@ -219,7 +221,7 @@ def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path) -> N
     datasets.arrow_dataset.generate_fingerprint = lambda dataset: (
         datasets.fingerprint.generate_random_fingerprint()
     )
-    config = our_config(model, seed, steps, dtype, work_dir)
+    config = our_config(model, seed, steps, dtype, work_dir, learning_rate)
     tasks = tier1_tasks()
     ordered = [
         task for step in range(1, steps + 1) for task in tasks_for_step(tasks, config, step, 0, GROUPS)
@@ -246,7 +248,7 @@ def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path) -> N
 
     bf16 = dtype == "bfloat16"
     args = GRPOConfig(
-        output_dir=str(work_dir / f"trl-seed{seed}"), seed=seed, max_steps=steps, learning_rate=LEARNING_RATE,
+        output_dir=str(work_dir / f"trl-seed{seed}"), seed=seed, max_steps=steps, learning_rate=learning_rate,
         per_device_train_batch_size=GROUP_SIZE, gradient_accumulation_steps=GROUPS,
         num_generations=GROUP_SIZE,
         max_completion_length=TRL_MAX_COMPLETION_TOKENS, max_tool_calling_iterations=MAX_TURNS - 1,
@@ -268,14 +270,16 @@ def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path) -> N
 # ---------------------------------------------------------------- the driver
 
 
-def run_side(
-    side: str, model: Path, seed: int, steps: int, dtype: str, work_dir: Path, trl_dir: Path
-) -> list[dict]:
+def run_side(side: str, model: Path, seed: int, steps: int, args: argparse.Namespace) -> list[dict]:
+    """One side's run of ``steps`` steps for ``seed`` in a fresh process; its per-step records."""
     env = dict(os.environ)
     if side == "trl":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(trl_dir), str(REPO), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(args.trl_dir), str(REPO), env.get("PYTHONPATH")])
+        )
     command = [sys.executable, __file__, f"--side={side}", f"--model={model}", f"--seed={seed}",
-               f"--steps={steps}", f"--dtype={dtype}", f"--work-dir={work_dir}"]  # fmt: skip
+               f"--steps={steps}", f"--dtype={args.dtype}", f"--work-dir={args.work_dir}",
+               f"--learning-rate={args.learning_rate}"]  # fmt: skip
     started = time.perf_counter()
     process = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     records = [
@@ -323,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed x 2 steps")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--work-dir", type=Path, default=WORK_DIR)
+    parser.add_argument("--learning-rate", type=float, default=DEMO_LEARNING_RATE)
     parser.add_argument("--side", choices=("prepare", "ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.side:
         runner = run_ours if args.side == "ours" else run_trl
-        runner(args.model, args.seed, args.steps, args.dtype, args.work_dir)
+        runner(args.model, args.seed, args.steps, args.dtype, args.work_dir, args.learning_rate)
         return
     if not (args.trl_dir / "trl").is_dir():
         raise SystemExit(f"TRL is not in {args.trl_dir}: run `python bench/bench_trl.py --install` first")
@@ -347,13 +352,15 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run([sys.executable, __file__, "--side=prepare", f"--dtype={args.dtype}",
                         f"--work-dir={args.work_dir}"], cwd=REPO, check=True)  # fmt: skip
     print(
-        f"{seeds} seed(s) x {steps} steps, {GROUPS}x{GROUP_SIZE} episodes a step, {args.dtype}:", flush=True
+        f"{seeds} seed(s) x {steps} steps, {GROUPS}x{GROUP_SIZE} episodes a step, {args.dtype}, "
+        f"learning rate {args.learning_rate:g}:",
+        flush=True,
     )
     records: list[dict] = []
     for seed in range(seeds):
         order = ("ours", "trl") if seed % 2 == 0 else ("trl", "ours")
         for side in order:
-            records += run_side(side, model, seed, steps, args.dtype, args.work_dir, args.trl_dir)
+            records += run_side(side, model, seed, steps, args)
     summarise(records, steps)
 
 
