@@ -639,6 +639,25 @@ def test_prompts_that_extend_no_kept_sequence_are_prefilled_whole(model, prompts
     assert extended.tokens == generate_alone(model, prompts[1] + first.tokens, 6)
 
 
+def test_dropped_prefixes_are_gone_and_the_next_turn_prefills_in_full(model, prompts):
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    async def main():
+        async with HFGenerator(model, pad_token_id=2) as generator:
+            await generator.drop_kept_prefixes()  # nothing kept, no worker yet: nothing to do
+            assert generator._thread is None
+            first = await generator.sample(prompts[1], params)
+            kept_before = generator.num_cached_prefixes
+            await generator.drop_kept_prefixes()
+            turn = await generator.sample(prompts[1] + first.tokens + [5, 6], params)
+            return first, kept_before, turn, generator.stats
+
+    first, kept_before, turn, stats = run(main())
+    assert kept_before == 1 and stats.reused_tokens == 0
+    assert stats.prefill_tokens == len(prompts[1]) + len(prompts[1]) + len(first.tokens) + 2
+    assert turn.tokens == generate_alone(model, prompts[1] + first.tokens + [5, 6], 6)
+
+
 def test_update_weights_drops_kept_prefixes_and_a_sample_spanning_it_is_not_kept(model, prompts, sharpen):
     new_model = sharpen(model, seed=2)
     params = SamplingParams(temperature=0, max_tokens=6)

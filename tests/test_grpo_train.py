@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from cookbook_lib.envs import Task
+from cookbook_lib.generators import HFGenerator
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
 from cookbook_lib.grpo.resume_rules import read_config_history
 from cookbook_lib.grpo.sft import Demonstration
 from cookbook_lib.grpo.train import SingleTurnEnv, WarmStart, train_multi_turn, train_single_turn
+from cookbook_lib.grpo.trainer import PolicyTrainer
 from cookbook_lib.runtime import models
 from cookbook_lib.runtime.metrics import read_metrics
 from cookbook_lib.types import Message
@@ -254,3 +256,35 @@ def test_grpo_raises_a_trivially_learnable_reward(tiny_model_dir, tmp_path):
     rewards = [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards
+
+
+def test_no_kept_prefix_outlives_the_episodes_of_a_lockstep_step_or_a_validation(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """When a lockstep step trains, and when validation returns, every episode has ended: the KV
+    caches of their last turns would only sit beside the step's activations or the next phase's
+    caches (at the demo's shape ~0.4 GB, up to the 0.75 GB bound), so the generator drops them."""
+    generators: list[HFGenerator] = []
+    kept_when: list[tuple[str, int]] = []
+    build, train = HFGenerator.__init__, PolicyTrainer.grpo_step
+
+    def build_and_watch(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        generators.append(self)
+
+    def train_and_watch(self, *args, **kwargs):
+        kept_when.append(("training", generators[0].num_cached_prefixes))
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFGenerator, "__init__", build_and_watch)
+    monkeypatch.setattr(PolicyTrainer, "grpo_step", train_and_watch)
+    config = tiny_config(tiny_model_dir, tmp_path, num_steps=1, checkpoint_interval=0)
+    run_single_turn(
+        config,
+        on_step=lambda outcome: kept_when.append(
+            (f"step {outcome.step} logged", generators[0].num_cached_prefixes)
+        ),
+    )
+    assert len(generators) == 1 and generators[0]._prefixes.max_entries > 0  # prefix reuse is on
+    assert [name for name, _ in kept_when] == ["step 0 logged", "training", "step 1 logged"]
+    assert all(kept == 0 for _, kept in kept_when), kept_when

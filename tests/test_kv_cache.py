@@ -71,3 +71,37 @@ def test_a_view_that_is_not_a_buffers_leading_columns_has_no_spare_room():
     assert kv_cache._spare_columns(buffer[:1, :, :12]) == 8  # leading rows: room in each
     assert kv_cache._spare_columns(buffer[1:, :, :12]) == 0
     assert kv_cache._spare_columns(torch.zeros(2, 3, 12, 4)) == 0
+
+
+def test_stacked_prefixes_take_the_next_forward_in_place_and_are_released_as_copied(tiny_model_and_tokenizer):
+    model = tiny_model_and_tokenizer[0].eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))
+    cache = kv_cache.new_cache(model)
+    forward(model, cache, ids)
+    rows = [
+        kv_cache.extract_row(cache, 0, torch.arange(10)),
+        kv_cache.extract_row(cache, 1, torch.arange(3, 10)),
+    ]
+    reference = kv_cache.stack_rows(model, [list(row) for row in rows])
+    stacked = kv_cache.stack_rows(model, rows, room=5, release=True)
+    assert rows == [[], []]  # each layer let go once copied: the rows and the stack are never both whole
+    assert_same(stacked, reference)
+    assert torch.equal(stacked.layers[0].keys[1, :, :3], torch.zeros_like(stacked.layers[0].keys[1, :, :3]))
+    storage = [layer.keys.untyped_storage().data_ptr() for layer in stacked.layers]
+    suffix_BL = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(forward(model, stacked, suffix_BL), forward(model, reference, suffix_BL))
+    assert_same(stacked, reference)
+    # The 5 fed tokens went into the room left for them: no layer was copied to append them.
+    assert [layer.keys.untyped_storage().data_ptr() for layer in stacked.layers] == storage
+
+
+def test_a_merged_cache_has_spare_columns_for_the_next_decode_steps(tiny_model_and_tokenizer):
+    model = tiny_model_and_tokenizer[0].eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(4))
+    first, second = kv_cache.new_cache(model), kv_cache.new_cache(model)
+    forward(model, first, ids[:2])
+    forward(model, second, ids[2:, :6])
+    kv_cache.merge(first, second)
+    assert all(kv_cache._spare_columns(layer.keys) >= kv_cache.MIN_SLACK_COLUMNS for layer in first.layers)
+    assert torch.equal(first.layers[0].keys[2, :, :3], torch.zeros_like(first.layers[0].keys[2, :, :3]))
+    assert torch.equal(first.layers[0].keys[2, :, 3:], second.layers[0].keys[0])

@@ -139,6 +139,15 @@ class Generator(abc.ABC):
     async def wake_up(self) -> None:  # noqa: B027 - optional, as sleep
         """Take back what ``sleep`` freed now, rather than at the next ``sample`` (optional)."""
 
+    async def drop_kept_prefixes(self) -> None:  # noqa: B027 - optional; a no-op where none are kept
+        """Drop the KV caches kept for prefix reuse (``HFGenerator``'s ``prefix_cache_*``), now.
+
+        For a caller that knows no kept sequence will be extended: when every episode of a phase
+        has ended (a lockstep step's sampling, a validation), its last turns' caches are kept but
+        dead until newer ones push them out of the bound, and a training step or the next phase's
+        caches would be allocated on top of them. Samples in flight are unaffected.
+        """
+
     async def __aenter__(self) -> Generator:
         return self
 

@@ -146,6 +146,7 @@ class PrefillBatch(abc.ABC):
 
         ``prefixes[i]``, when given, holds the keys and values of the first ``len(prefixes[i])``
         tokens of request ``i``'s prompt (a proper prefix of it); only the tokens after it are fed.
+        The prefixes are consumed: their ``layers`` are emptied as they are copied into the batch.
         Returns the rows that finished on their first token (they never join the batch).
         """
         known = prefixes if prefixes is not None else [None] * len(requests)
@@ -170,7 +171,7 @@ class PrefillBatch(abc.ABC):
         ids_BL, mask_BL = ids_BL.to(self.device), mask_BL.to(self.device)
         # Each fed token's position is the number of real tokens before it, prefix included.
         positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)[:, width_past:]
-        cache = self._past_cache(known) if width_past else kv_cache.new_cache(self.model)
+        cache = self._past_cache(known, room=width) if width_past else kv_cache.new_cache(self.model)
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         output = self.model(
             input_ids=ids_BL,
@@ -214,12 +215,22 @@ class PrefillBatch(abc.ABC):
         self._last_tokens_B = self._last_tokens_B[:0]
         return removed
 
-    def _past_cache(self, prefixes: list[CachedPrefix | None]) -> DynamicCache:
-        """The prefixes' keys and values stacked into one cache (a row without one gets none)."""
+    def _past_cache(self, prefixes: list[CachedPrefix | None], room: int) -> DynamicCache:
+        """The prefixes' keys and values stacked into one cache with ``room`` spare columns (a row
+        without one gets none). The prefixes are consumed: their layers go as they are stacked."""
         first = next(prefix for prefix in prefixes if prefix is not None)
-        empty = [(keys[:, :, :0], values[:, :, :0]) for keys, values in first.layers]
+        empty = [
+            (
+                keys.new_zeros(*keys.shape[:2], 0, keys.shape[3]),
+                values.new_zeros(*values.shape[:2], 0, values.shape[3]),
+            )
+            for keys, values in first.layers
+        ]
         return kv_cache.stack_rows(
-            self.model, [prefix.layers if prefix is not None else empty for prefix in prefixes]
+            self.model,
+            [prefix.layers if prefix is not None else list(empty) for prefix in prefixes],
+            room=room,
+            release=True,
         )
 
     def _keep_kv(self, rows: list[Row], cache: DynamicCache, mask_BL: torch.Tensor) -> None:

@@ -38,6 +38,7 @@ from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
 from cookbook_lib.generators.slot_batch import SlotDecodeBatch, fixed_shape_decode_supported
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 from cookbook_lib.generators.worker import WorkerGenerator
+from cookbook_lib.runtime.memory import release_memory
 from cookbook_lib.runtime.onednn_linear import onednn_linears
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ class HFGenerator(WorkerGenerator):
             raises ``ValueError`` with the reason. Both sample the same, up to float rounding.
 
     Kept prefixes hold keys and values of the current weights: ``update_weights`` drops them all,
-    and samples in flight during an update are not kept (their caches mix two versions). To change
+    and samples in flight during an update are not kept (their caches mix two versions).
+    ``drop_kept_prefixes`` drops them on request: ``train_multi_turn`` asks once every episode of a
+    lockstep step's sampling, or of a validation, has ended, so their last turns' caches do not sit
+    beside the training step or the next phase's caches. To change
     ``model``'s weights in place instead, build the generator with ``prefix_cache_entries=0``.
     """
 
@@ -167,6 +171,10 @@ class HFGenerator(WorkerGenerator):
         # The worker finishes its current forward, fails its rows, and exits.
         await self._stop_worker()
 
+    async def drop_kept_prefixes(self) -> None:
+        if self._thread is not None:  # a worker that never started kept nothing
+            await self.run_on_worker(self._drop_prefixes)
+
     # ---- the worker thread -------------------------------------------------------------------
 
     def _is_busy(self) -> bool:
@@ -202,6 +210,12 @@ class HFGenerator(WorkerGenerator):
             if not request.cancelled:
                 taken.append(request)
         return taken
+
+    def _drop_prefixes(self) -> None:
+        if len(self._prefixes):
+            self._prefixes.clear()
+            # They were freed into this thread's malloc arena: hand them back to the system too.
+            release_memory(full_collection=False)
 
     def _apply_weights(self, update: WeightUpdate) -> None:
         # Kept prefixes were computed by the old weights. Dropped on every update, even one that

@@ -66,9 +66,10 @@ class SlackLayer(DynamicLayer):
     (at least ``MIN_SLACK_COLUMNS``): a copy every ~L/8 steps, for at most ~1/8 more cache memory.
 
     The keys are ``buffer[:, :, :columns]``, so everything that reads them (attention, the row
-    and column surgery below) sees exactly the tensors it saw before. Whatever replaced them with a
-    tensor of its own (``merge``, ``select_rows``, ``drop_leading_columns``, ``stack_rows``) simply
-    has no spare columns, and the next update copies it into a new buffer.
+    and column surgery below) sees exactly the tensors it saw before. ``merge`` and ``stack_rows``
+    build such buffers too; whatever else replaced them with a tensor of its own (``select_rows``,
+    ``drop_leading_columns``) simply has no spare columns, and the next update copies it into a new
+    buffer.
     """
 
     def update(
@@ -155,11 +156,27 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     cache.batch_select_indices(rows)
 
 
-def _left_pad(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    if columns == 0:
-        return tensor
-    shape = (*tensor.shape[:2], columns, tensor.shape[3])
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=2)
+def _stacked(parts: list[torch.Tensor], width: int, room: int = 0) -> torch.Tensor:
+    """``parts`` (each ``[rows_i, kv_heads, columns_i, head_dim]``) one under the other, each
+    right-aligned in ``width`` columns (zeros before the shorter ones): the leading columns of a new
+    buffer with ``room`` spare columns and the usual slack after them.
+
+    ``torch.cat`` of left-padded parts would build each padded part, then the result, and leave no
+    spare columns, so the next forward would copy the whole layer once more: here each part is
+    copied once, and a forward of up to ``room`` tokens (a prefill after a kept prefix) or the next
+    decode steps write in place.
+    """
+    first = parts[0]
+    columns = width + room
+    capacity = columns + max(MIN_SLACK_COLUMNS, columns // SLACK_FRACTION)
+    buffer = first.new_empty((sum(part.shape[0] for part in parts), first.shape[1], capacity, first.shape[3]))
+    start = 0
+    for part in parts:
+        rows, padding = part.shape[0], width - part.shape[2]
+        buffer[start : start + rows, :, :padding].zero_()
+        buffer[start : start + rows, :, padding:width].copy_(part)
+        start += rows
+    return buffer[:, :, :width]
 
 
 def merge(first: DynamicCache, second: DynamicCache) -> None:
@@ -169,18 +186,8 @@ def merge(first: DynamicCache, second: DynamicCache) -> None:
     """
     for mine, theirs in zip(first.layers, second.layers, strict=True):
         width = max(mine.keys.shape[2], theirs.keys.shape[2])
-        mine.keys = torch.cat(
-            [
-                _left_pad(mine.keys, width - mine.keys.shape[2]),
-                _left_pad(theirs.keys, width - theirs.keys.shape[2]),
-            ]
-        )
-        mine.values = torch.cat(
-            [
-                _left_pad(mine.values, width - mine.values.shape[2]),
-                _left_pad(theirs.values, width - theirs.values.shape[2]),
-            ]
-        )
+        mine.keys = _stacked([mine.keys, theirs.keys], width)
+        mine.values = _stacked([mine.values, theirs.values], width)
 
 
 def drop_leading_columns(cache: DynamicCache, columns: int) -> None:
@@ -208,16 +215,24 @@ def extract_row(cache: DynamicCache, row: int, columns: torch.Tensor) -> list[La
     ]
 
 
-def stack_rows(model: PreTrainedModel, rows: list[list[LayerKV]]) -> DynamicCache:
-    """A new cache holding ``rows`` one under the other, each right-aligned (left-padded with zeros).
+def stack_rows(
+    model: PreTrainedModel, rows: list[list[LayerKV]], *, room: int = 0, release: bool = False
+) -> DynamicCache:
+    """A new cache holding ``rows`` one under the other, each right-aligned (left-padded with zeros),
+    with ``room`` spare columns after them: a forward of up to ``room`` tokens writes in place.
 
     The caller's attention mask must mark, for row ``i``, its last ``tokens_i`` columns as real.
+    With ``release``, each row's list is emptied layer by layer as it is copied, so the rows and the
+    new cache are never both held whole: stacking the 16 kept prefixes of a demo step's next turn
+    (~0.4 GB) otherwise held both, and the copy made to append the turn's tokens, for a moment.
     """
     cache = new_cache(model)
     width = max(row[0][0].shape[2] for row in rows)
     for index, layer in enumerate(cache.layers):
-        keys = torch.cat([_left_pad(row[index][0], width - row[index][0].shape[2]) for row in rows])
-        values = torch.cat([_left_pad(row[index][1], width - row[index][1].shape[2]) for row in rows])
+        parts = [row.pop(0) if release else row[index] for row in rows]
+        keys = _stacked([part[0] for part in parts], width, room)
+        values = _stacked([part[1] for part in parts], width, room)
+        del parts  # with release, the rows' copies of this layer go now
         # Not the public cache.update(): it copies them once more, 2.3x the CPU time of this
         # (docs/benchmarks.md, "The transformers range").
         layer.lazy_initialization(keys, values)

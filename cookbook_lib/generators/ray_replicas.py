@@ -182,6 +182,10 @@ class _ReplicaActor:
         await self.generator.update_weights(state_dict, version, between_requests=between_requests)
         return self._drain()
 
+    async def drop_kept_prefixes(self) -> list[StepInfo]:
+        await self.generator.drop_kept_prefixes()
+        return self._drain()
+
     async def close(self) -> None:
         await self.generator.close()
 
@@ -418,6 +422,13 @@ class RayGenerator(Generator):
             return
         self.pool.versions[target] = version
         self.pool.record(target, steps)
+
+    async def drop_kept_prefixes(self) -> None:
+        # Only memory is at stake: a lost or closed replica keeps nothing, and sample reports losses.
+        with contextlib.suppress(ReplicaLostError, GeneratorClosedError):
+            target = self._target()
+            if target == self.index:  # else lost: its fallback is told by its own RayGenerator
+                self.pool.record(target, await self._call(target, "drop_kept_prefixes"))
 
     async def close(self) -> None:
         if self._closed:

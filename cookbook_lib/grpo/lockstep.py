@@ -175,6 +175,9 @@ async def lockstep_step(
         status=tokens_status(replicas.generators),
     )
     times = StepTimes(started=started, sampled_at=time.perf_counter())
+    # Every episode has ended: the caches of their last turns would sit beside the step's
+    # activations (~0.4 GB at the demo's shape) until the weight update dropped them.
+    await replicas.drop_kept_prefixes()
     # A colocated vLLM engine frees its GPU memory for the optimizer step; publish wakes it.
     await replicas.sleep()
     metrics = await replicas.run_compute(lambda: train_on_groups(config, groups, trainer))

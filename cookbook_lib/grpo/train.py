@@ -453,6 +453,8 @@ class _Validator:
                 progress="validation",
                 progress_status=tokens_status(replicas.generators[:1]),
             )
+            # Validation's episodes have ended; the next step's would allocate beside their caches.
+            await replicas.drop_kept_prefixes([0])
         self.context.timeline.add(TRAINER_LANE, VALIDATION, started, time.perf_counter())
         metrics = episode_stats(report.episodes, prefix="val/")
         metrics |= {f"val/pass@{k}": v for k, v in report.pass_at_k.items()}

@@ -118,6 +118,12 @@ class GeneratorReplicas:
         """
         await asyncio.gather(*(g.sleep() for g in self.generators))
 
+    async def drop_kept_prefixes(self, indices: Sequence[int] | None = None) -> None:
+        """Every replica (or those at ``indices``) drops its kept prefixes: no episode that
+        sampled on it will take another turn (``Generator.drop_kept_prefixes``)."""
+        chosen = range(self.size) if indices is None else indices
+        await asyncio.gather(*(self.generators[i].drop_kept_prefixes() for i in chosen))
+
     async def load_everywhere(self, weights: Weights, version: int) -> None:
         """Load ``weights`` on every replica now, whatever the mode (a resumed run's start)."""
         self.version = version
