@@ -454,6 +454,7 @@ class _Validator:
                 progress_status=tokens_status(replicas.generators[:1]),
             )
             # Validation's episodes have ended; the next step's would allocate beside their caches.
+            # (An async run's episodes in flight on replica 0 lose theirs too: one full prefill each.)
             await replicas.drop_kept_prefixes([0])
         self.context.timeline.add(TRAINER_LANE, VALIDATION, started, time.perf_counter())
         metrics = episode_stats(report.episodes, prefix="val/")
