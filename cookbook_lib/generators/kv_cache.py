@@ -101,11 +101,16 @@ def _spare_columns(tensor: torch.Tensor) -> int:
     return capacity - columns
 
 
+def _capacity(columns: int) -> int:
+    """The columns a new buffer holds for ``columns`` in use: the slack the next steps write into."""
+    return columns + max(MIN_SLACK_COLUMNS, columns // SLACK_FRACTION)
+
+
 def _with_room(states: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
     """A new buffer holding ``kept`` then ``states`` along the columns, with slack after them."""
     old = 0 if kept is None else kept.shape[2]
     columns = old + states.shape[2]
-    capacity = columns + max(MIN_SLACK_COLUMNS, columns // SLACK_FRACTION)
+    capacity = _capacity(columns)
     buffer = states.new_empty((*states.shape[:2], capacity, states.shape[3]))
     if kept is not None:
         buffer[:, :, :old].copy_(kept)
@@ -167,8 +172,7 @@ def _stacked(parts: list[torch.Tensor], width: int, room: int = 0) -> torch.Tens
     decode steps write in place.
     """
     first = parts[0]
-    columns = width + room
-    capacity = columns + max(MIN_SLACK_COLUMNS, columns // SLACK_FRACTION)
+    capacity = _capacity(width + room)
     buffer = first.new_empty((sum(part.shape[0] for part in parts), first.shape[1], capacity, first.shape[3]))
     start = 0
     for part in parts:
