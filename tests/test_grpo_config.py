@@ -58,6 +58,15 @@ def test_the_seed_examples_construct():
     assert config.is_async and config.effective_groups_in_flight == 8
 
 
+def test_validation_plays_as_many_episodes_at_once_as_a_step_samples_unless_told():
+    assert GRPOConfig(batch_size=4, episodes_per_task=4).effective_val_episodes_in_flight == 16
+    async_config = GRPOConfig(batch_size=4, episodes_per_task=4, max_steps_off_policy=1, groups_in_flight=6)
+    assert async_config.effective_val_episodes_in_flight == 24
+    assert GRPOConfig(val_episodes_in_flight=40).effective_val_episodes_in_flight == 40
+    with pytest.raises(ConfigError, match="val_episodes_in_flight"):
+        GRPOConfig(val_episodes_in_flight=0).validate(OFFLINE)
+
+
 def test_default_run_names_differ():
     assert GRPOConfig().run_name != GRPOConfig().run_name
 

@@ -10,11 +10,13 @@ import torch
 
 from cookbook_lib.envs import Task
 from cookbook_lib.generators import HFGenerator
+from cookbook_lib.grpo import train as train_module
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
 from cookbook_lib.grpo.resume_rules import read_config_history
 from cookbook_lib.grpo.sft import Demonstration
 from cookbook_lib.grpo.train import SingleTurnEnv, WarmStart, train_multi_turn, train_single_turn
 from cookbook_lib.grpo.trainer import PolicyTrainer
+from cookbook_lib.rollout import evaluate
 from cookbook_lib.runtime import models
 from cookbook_lib.runtime.metrics import read_metrics
 from cookbook_lib.types import Message
@@ -256,6 +258,46 @@ def test_grpo_raises_a_trivially_learnable_reward(tiny_model_dir, tmp_path):
     rewards = [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards
+
+
+@pytest.mark.parametrize("bound", [None, 3])
+def test_validation_plays_no_more_episodes_at_once_than_a_step_samples(
+    tiny_model_dir, tmp_path, monkeypatch, bound
+):
+    """Each episode in flight holds a KV cache: by default validation (8 tasks here) keeps no more
+    of them at once than a training step's sampling (1 task x 2 episodes), or the bound it is given."""
+    in_flight, most = 0, {"train": 0, "val": 0}
+    phase, played = ["train"], []
+    sample, validate = HFGenerator.sample, evaluate.evaluate_policy_async
+
+    async def sample_and_count(self, *args, **kwargs):
+        nonlocal in_flight
+        in_flight += 1
+        most[phase[0]] = max(most[phase[0]], in_flight)
+        try:
+            return await sample(self, *args, **kwargs)
+        finally:
+            in_flight -= 1
+
+    async def validate_in_its_phase(*args, **kwargs):
+        phase[0] = "val"
+        try:
+            report = await validate(*args, **kwargs)
+            played.append(report.num_episodes)
+            return report
+        finally:
+            phase[0] = "train"
+
+    monkeypatch.setattr(HFGenerator, "sample", sample_and_count)
+    monkeypatch.setattr(train_module, "evaluate_policy_async", validate_in_its_phase)
+    config = tiny_config(
+        tiny_model_dir, tmp_path, batch_size=1, episodes_per_task=2, num_steps=1, checkpoint_interval=0,
+        val_episodes_in_flight=bound,
+    )  # fmt: skip
+    val_tasks = [Task(prompt=f"Name a colour, {i}.", target=None) for i in range(8)]
+    train_single_turn(config, tasks=TASKS, reward_fn=vowel_share, val_tasks=val_tasks)
+    assert most == {"train": 2, "val": bound or 2}
+    assert played == [8, 8]  # before and after the step: all of them, a few at a time
 
 
 def test_no_kept_prefix_outlives_the_episodes_of_a_lockstep_step_or_a_validation(

@@ -8,6 +8,7 @@ import pytest
 
 from cookbook_lib.envs import Env, StepResult, Task
 from cookbook_lib.rollout.episode import EndCause, Episode, EpisodeError
+from cookbook_lib.rollout.evaluate import evaluate_policy
 from cookbook_lib.rollout.play import ContainedPolicy, PolicyStep, run_episode
 from cookbook_lib.types import Message, ToolSpec
 
@@ -263,3 +264,42 @@ def test_episode_round_trips_through_a_dict():
     assert record["end_cause"] == "TERMINATED"
     assert Episode.from_dict(record) == episode
     assert "tokens_T" not in episode.to_dict(include_tokens=False)
+
+
+@pytest.mark.parametrize("bound", [None, 1, 3, 100])
+def test_evaluation_bounds_the_episodes_alive_at_once_and_starts_the_rest_in_task_order(bound):
+    tasks = [Task(prompt=f"task {i}", target=None, metadata={"id": i}) for i in range(5)]
+    alive, most, made = set(), 0, []
+
+    class CountedEnv(ScriptedEnv):
+        async def reset(self, task: Task) -> list[Message]:
+            nonlocal most
+            alive.add(id(self))
+            most = max(most, len(alive))
+            made.append(task.metadata["id"])
+            return await super().reset(task)
+
+        async def close(self) -> None:
+            alive.discard(id(self))
+
+    async def slow_then_done(messages, tool_specs):
+        await asyncio.sleep(0)  # every live episode gets to start before any ends
+        return Message(role="assistant", content="x" if len(messages) < 3 else "done")
+
+    report = evaluate_policy(
+        lambda: slow_then_done, tasks, lambda task: CountedEnv(), episodes_per_task=2, max_turns=3,
+        max_episodes_in_flight=bound,
+    )  # fmt: skip
+    assert report.num_episodes == 10 and report.mean_reward == 1.0 and not alive
+    assert most == min(bound or 10, 10)
+    assert made == sorted(made)  # queued episodes start in task order
+
+
+def test_an_evaluation_bound_below_one_is_refused_before_any_episode():
+    made = []
+    with pytest.raises(ValueError, match="max_episodes_in_flight must be at least 1"):
+        evaluate_policy(
+            lambda: say("done"), [TASK], lambda task: made.append(task) or ScriptedEnv(), max_turns=2,
+            max_episodes_in_flight=0,
+        )  # fmt: skip
+    assert made == []

@@ -129,6 +129,11 @@ class GRPOConfig:
     """Validate on ``val_tasks`` every this many steps, and at the end; 0 = only at the end."""
     val_episodes_per_task: int = _setting(1, at_least=1)
     """Episodes per validation task (more = a less noisy validation reward, slower)."""
+    val_episodes_in_flight: int | None = _setting(None, at_least=1, note="None = a training step's")
+    """Validation episodes playing at once; None = as many as a training step samples at once
+    (``episodes_per_task`` times ``batch_size``, or ``groups_in_flight`` in an async run), so
+    validation's KV caches take no more memory than sampling does (see ``effective_val_episodes_in_flight``).
+    On a GPU with memory to spare, raise it: decoding more rows together costs little there."""
     max_turns: int = _setting(6, at_least=1)
     """Assistant turns before an episode is truncated with ``MAX_TURNS``."""
     max_model_length: int = 2048
@@ -325,6 +330,13 @@ class GRPOConfig:
     @property
     def effective_groups_in_flight(self) -> int:
         return self.batch_size if self.groups_in_flight is None else self.groups_in_flight
+
+    @property
+    def effective_val_episodes_in_flight(self) -> int:
+        if self.val_episodes_in_flight is not None:
+            return self.val_episodes_in_flight
+        groups = self.effective_groups_in_flight if self.is_async else self.batch_size
+        return self.episodes_per_task * groups
 
     @property
     def is_async(self) -> bool:

@@ -40,6 +40,7 @@ CHANGEABLE_ON_RESUME: tuple[str, ...] = (
     # timing anyway, and what a group may be trained on is bounded by max_steps_off_policy, fixed.)
     "validation_interval",
     "val_episodes_per_task",
+    "val_episodes_in_flight",
     "sequential_validation",
     # Bookkeeping: checkpoints, logging, where the run folder is, how it was started.
     "checkpoint_interval",

@@ -452,6 +452,7 @@ class _Validator:
                 failed_parse_reward=config.failed_parse_reward,
                 progress="validation",
                 progress_status=tokens_status(replicas.generators[:1]),
+                max_episodes_in_flight=config.effective_val_episodes_in_flight,
             )
             # Validation's episodes have ended; the next step's would allocate beside their caches.
             # (An async run's episodes in flight on replica 0 lose theirs too: one full prefill each.)

@@ -108,6 +108,13 @@ def default_run_name(prefix: str) -> str:
     return f"{prefix}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
 
 
+def _check_in_flight(max_episodes_in_flight: int | None) -> None:
+    if max_episodes_in_flight is not None and max_episodes_in_flight < 1:
+        raise ValueError(
+            f"max_episodes_in_flight must be at least 1 (or None for no bound), got {max_episodes_in_flight}"
+        )
+
+
 async def evaluate_policy_async(
     policy_factory: Callable[[], Policy],
     tasks: Sequence[Task],
@@ -121,17 +128,22 @@ async def evaluate_policy_async(
     run_dir: str | Path | None = None,
     progress: str | None = None,
     progress_status: Callable[[], str] | None = None,
+    max_episodes_in_flight: int | None = None,
 ) -> EvalReport:
     """Evaluate any policy (a scripted one, or a model's): every task's group runs concurrently.
 
     ``progress`` names a bar counting the episodes as they finish (None: no bar), with
-    ``progress_status()`` (e.g. the tokens sampled) beside it.
+    ``progress_status()`` (e.g. the tokens sampled) beside it. ``max_episodes_in_flight`` bounds
+    the episodes playing at once (None: all of them); the others start, in task order, as earlier
+    ones end. A model's episodes each hold a KV cache, so the bound is a bound on memory.
     """
     if not tasks:
         raise ValueError("evaluate needs at least one task")
+    _check_in_flight(max_episodes_in_flight)
     check_tasks(tasks)  # before any episode: each is recorded with its task
     started = time.perf_counter()
     total = len(tasks) * episodes_per_task
+    slots = None if max_episodes_in_flight is None else asyncio.Semaphore(max_episodes_in_flight)
     async with LiveProgress(
         progress or "", total, unit="episode", status=progress_status, show=bool(progress)
     ) as live:
@@ -146,6 +158,7 @@ async def evaluate_policy_async(
                     on_env_error=on_env_error,
                     failed_parse_reward=failed_parse_reward,
                     on_episode=lambda _: live.done(),
+                    episode_slots=slots,
                 )
                 for task in tasks
             )
@@ -181,6 +194,7 @@ async def evaluate_async(
     device: str = "auto",
     dtype: str = "auto",
     enable_thinking: bool | None = None,
+    max_episodes_in_flight: int | None = None,
 ) -> EvalReport:
     """Score a model on an environment: ``episodes_per_task`` episodes of each task.
 
@@ -189,11 +203,13 @@ async def evaluate_async(
     ``"auto"`` picks CUDA when present, and bf16 where the hardware has it); a loaded model is
     used where and as it is. Pass ``generator`` and ``codec`` to reuse a running generator
     (validation during training does). ``enable_thinking`` switches reasoning in templates that
-    have the switch (as ``GRPOConfig.enable_thinking``; ignored when ``codec`` is given). Episodes
-    are written to ``runs/<run_name>/episodes.jsonl``.
+    have the switch (as ``GRPOConfig.enable_thinking``; ignored when ``codec`` is given).
+    ``max_episodes_in_flight`` bounds the episodes (and so the KV caches) alive at once; None plays
+    them all together. Episodes are written to ``runs/<run_name>/episodes.jsonl``.
     """
     sampling = sampling or SamplingParams()
     check_tasks(tasks)  # before the model loads
+    _check_in_flight(max_episodes_in_flight)
     if sampling.seed is not None and episodes_per_task > 1:
         raise ValueError(
             "sampling.seed would make every episode of a task sample the same replies; leave it None "
@@ -234,6 +250,7 @@ async def evaluate_async(
             run_dir=run_dir,
             progress="evaluation",
             progress_status=tokens_status([generator]),
+            max_episodes_in_flight=max_episodes_in_flight,
         )
     finally:
         if owned_generator:

@@ -14,6 +14,7 @@ the user wrote is a bug in the caller's code and propagates, as does cancellatio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -217,25 +218,29 @@ async def run_group(
     on_env_error: OnEnvError = "end_episode",
     failed_parse_reward: float = 0.0,
     on_episode: Callable[[Episode], None] | None = None,
+    episode_slots: asyncio.Semaphore | None = None,
 ) -> list[Episode]:
     """Play ``group_size`` episodes of one task concurrently, each with a fresh env and policy.
 
     The episodes share whatever the policies share (a batching generator serves their requests
     together). If one episode raises, the others are cancelled, and so closed, before it propagates.
     ``on_episode`` is called with each episode as it finishes (progress bars count them).
+    ``episode_slots``, shared by several groups, bounds how many of their episodes play at once:
+    each episode holds a slot from before its env is made until it is closed.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
 
     async def play(policy: Policy) -> Episode:
-        episode = await run_episode(
-            env_factory,
-            task,
-            policy,
-            max_turns=max_turns,
-            on_env_error=on_env_error,
-            failed_parse_reward=failed_parse_reward,
-        )
+        async with episode_slots or contextlib.nullcontext():
+            episode = await run_episode(
+                env_factory,
+                task,
+                policy,
+                max_turns=max_turns,
+                on_env_error=on_env_error,
+                failed_parse_reward=failed_parse_reward,
+            )
         if on_episode is not None:
             on_episode(episode)
         return episode
