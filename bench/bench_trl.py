@@ -3,6 +3,7 @@
     python bench/bench_trl.py --install                 # TRL 1.16 and what it needs, into .bench-deps/trl
     python bench/bench_trl.py                           # 3 seeds x 5 steps, each side
     python bench/bench_trl.py --quick                   # 1 seed x 2 steps
+    python bench/bench_trl.py --work=single-turn        # the single-turn work instead (below)
 
 The work: the tool-use game's tier-1 tasks (the demo's), 4 tasks x 4 episodes a step, at most 6
 turns of at most 48 new tokens, the demo's learning rate 5e-5 (``--learning-rate``), no KL term,
@@ -20,6 +21,16 @@ with the demo's config, one sampling round a step (``max_sampling_attempts=1``),
 16 episodes a step. Each side runs in a fresh process per seed, the two alternating; a step's time
 is from the start of its sampling to the end of its optimizer step.
 
+``--work=single-turn``: GRPO's classic setting, as ``recipes/grpo/single_turn.py`` runs it: the
+level-1 arithmetic tasks answered in one reply of at most 16 tokens, 4 tasks x 8 episodes a step,
+learning rate 2e-5 (``--learning-rate``), from the base model (the embedded SmolLM2 with the same
+chat template). The reward is shaped: how close the reply's nearest number comes to the answer (1
+minus the relative error, at least 0). The recipe's (1 when the whole reply is the number) and "1
+when its first number is" gave the base model no signal at all (it answers in sentences and sums
+wrongly: 32 of 32 replies scored 0 on both, on both sides), and a step whose groups all score
+alike trains nothing, so its time would not be a training step's. Ours is ``train_single_turn``;
+TRL's the same ``GRPOTrainer`` with that reward and no environment.
+
 TRL is not one of our dependencies: ``--install`` puts it in its own folder (``pip install
 --target``, never into .venv), and only TRL's process puts that folder on its path.
 """
@@ -29,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -49,6 +61,10 @@ DEMO_LEARNING_RATE = 5e-5  # the demo's; --learning-rate changes it for both sid
 # TRL budgets a whole episode's tokens after the prompt (tool results included), not a turn's.
 TRL_MAX_COMPLETION_TOKENS = 384
 RESULT = "BENCH_TRL_STEP"
+# The single-turn work (recipes/grpo/single_turn.py's settings, one sampling round a step).
+SINGLE_GROUPS, SINGLE_GROUP_SIZE, SINGLE_MAX_TOKENS = 4, 8, 16
+SINGLE_LEARNING_RATE = 2e-5
+WORKS = ("multi-turn", "single-turn")
 
 
 def install(trl_dir: Path) -> None:
@@ -106,6 +122,24 @@ def our_config(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, l
     )  # fmt: skip
 
 
+def math_level1_tasks():
+    from envs.math_env import load_math_tasks
+
+    return [task for task in load_math_tasks("train") if task.metadata.get("level") == 1]
+
+
+def single_turn_config(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float):
+    from cookbook_lib.grpo.config import GRPOConfig
+
+    return GRPOConfig(
+        model=str(model), run_name=f"ours-single-seed{seed}", runs_dir=str(work_dir), seed=seed,
+        num_steps=steps, batch_size=SINGLE_GROUPS, episodes_per_task=SINGLE_GROUP_SIZE, max_turns=1,
+        max_model_length=512, max_tokens_per_turn=SINGLE_MAX_TOKENS, micro_batch_tokens=2048,
+        learning_rate=learning_rate, max_sampling_attempts=1, validation_interval=0,
+        checkpoint_interval=0, final_checkpoint="none", dtype=dtype, wandb_project=None,
+    )  # fmt: skip
+
+
 def report(side: str, seed: int, step: int, seconds: float, reward: float) -> None:
     record = dict(side=side, seed=seed, step=step, seconds=round(seconds, 2), reward=round(reward, 4))
     print(RESULT, json.dumps(record), flush=True)
@@ -120,15 +154,38 @@ def run_ours(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, lea
 
     config = our_config(model, seed, steps, dtype, work_dir, learning_rate)
     shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
+    train_multi_turn(
+        config, tasks=tier1_tasks(), env_factory=lambda task: ToolUseGameEnv(),
+        on_step=_step_reporter("ours", seed),
+    )  # fmt: skip
+
+
+def run_ours_single(
+    model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float
+) -> None:
+    from cookbook_lib.grpo.train import train_single_turn
+    from recipes.grpo.single_turn import SYSTEM_PROMPT
+
+    config = single_turn_config(model, seed, steps, dtype, work_dir, learning_rate)
+    shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
+    train_single_turn(
+        config, tasks=math_level1_tasks(), system_prompt=SYSTEM_PROMPT,
+        reward_fn=lambda task, reply: closeness(reply, str(task.target)),
+        on_step=_step_reporter("ours", seed),
+    )  # fmt: skip
+
+
+def _step_reporter(side: str, seed: int):
+    """An ``on_step`` callback reporting each step's time (from the previous step's end) and reward."""
     last = [time.perf_counter()]
 
     def on_step(outcome) -> None:
         now = time.perf_counter()
         if outcome.step > 0:  # step 0 is the (empty) validation before training
-            report("ours", seed, outcome.step, now - last[0], outcome.metrics["reward_mean"])
+            report(side, seed, outcome.step, now - last[0], outcome.metrics["reward_mean"])
         last[0] = now
 
-    train_multi_turn(config, tasks=tier1_tasks(), env_factory=lambda task: ToolUseGameEnv(), on_step=on_step)
+    return on_step
 
 
 # ---------------------------------------------------------------- TRL's side
@@ -205,22 +262,29 @@ def game_reward(completions: list[list[dict]], target: list[str], **kwargs) -> l
     return rewards
 
 
-def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    import datasets.arrow_dataset
-    import datasets.fingerprint
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def closeness(reply: str, target: str) -> float:
+    """The single-turn reward: 1 - the relative error of ``reply``'s number nearest ``target``
+    (at least 0; 0 without a number). Exactly right scores 1."""
+    wanted = float(target)
+    found = [float(text) for text in re.findall(r"-?\d+(?:\.\d+)?", reply)]
+    if not found:
+        return 0.0
+    error = min(abs(number - wanted) for number in found) / max(abs(wanted), 1.0)
+    return max(0.0, 1.0 - error)
 
+
+def math_reward(completions: list[list[dict]], target: list[str], **kwargs) -> list[float]:
+    """Each TRL completion's single-turn reward (:func:`closeness` of its reply)."""
+    return [
+        closeness((messages[-1].get("content") or "") if messages else "", wanted)
+        for messages, wanted in zip(completions, target, strict=True)
+    ]
+
+
+def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
     from cookbook_lib.grpo.lockstep import tasks_for_step
     from envs.tool_use_game.env import SYSTEM_PROMPT
 
-    # datasets 5.2 cannot hash an in-memory table here (dill fails on pyarrow's MonthDayNano type,
-    # whichever pyarrow and dill we tried): a random fingerprint only turns its cache off.
-    datasets.arrow_dataset.generate_fingerprint = lambda dataset: (
-        datasets.fingerprint.generate_random_fingerprint()
-    )
     config = our_config(model, seed, steps, dtype, work_dir, learning_rate)
     tasks = tier1_tasks()
     ordered = [
@@ -234,6 +298,67 @@ def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, lear
         "facts": [json.dumps(task.metadata["facts"]) for task in ordered],
         "target": [str(task.target) for task in ordered],
     }
+    _train_trl(
+        model, seed, steps, dtype, work_dir / f"trl-seed{seed}", learning_rate, rows, game_reward,
+        groups=GROUPS, group_size=GROUP_SIZE, max_completion_length=TRL_MAX_COMPLETION_TOKENS,
+        max_tool_calling_iterations=MAX_TURNS - 1, environment_factory=_GameTools,
+    )  # fmt: skip
+
+
+def run_trl_single(
+    model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float
+) -> None:
+    from cookbook_lib.grpo.lockstep import tasks_for_step
+    from recipes.grpo.single_turn import SYSTEM_PROMPT
+
+    config = single_turn_config(model, seed, steps, dtype, work_dir, learning_rate)
+    tasks = math_level1_tasks()
+    ordered = [
+        task for step in range(1, steps + 1) for task in tasks_for_step(tasks, config, step, 0, SINGLE_GROUPS)
+    ]
+    rows = {
+        "prompt": [
+            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
+            for task in ordered
+        ],
+        "target": [str(task.target) for task in ordered],
+    }
+    _train_trl(
+        model, seed, steps, dtype, work_dir / f"trl-single-seed{seed}", learning_rate, rows, math_reward,
+        groups=SINGLE_GROUPS, group_size=SINGLE_GROUP_SIZE, max_completion_length=SINGLE_MAX_TOKENS,
+    )  # fmt: skip
+
+
+def _train_trl(
+    model: Path,
+    seed: int,
+    steps: int,
+    dtype: str,
+    output_dir: Path,
+    learning_rate: float,
+    rows: dict[str, list],
+    reward,
+    *,
+    groups: int,
+    group_size: int,
+    max_completion_length: int,
+    **trl_settings,
+) -> None:
+    """TRL's ``GRPOTrainer`` with its defaults on ``rows`` (one step's ``groups`` prompts after the
+    other, unshuffled), reporting each step's time and reward."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import datasets.arrow_dataset
+    import datasets.fingerprint
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    # datasets 5.2 cannot hash an in-memory table here (dill fails on pyarrow's MonthDayNano type,
+    # whichever pyarrow and dill we tried): a random fingerprint only turns its cache off.
+    datasets.arrow_dataset.generate_fingerprint = lambda dataset: (
+        datasets.fingerprint.generate_random_fingerprint()
+    )
+    environment_factory = trl_settings.pop("environment_factory", None)
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -248,21 +373,21 @@ def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, lear
 
     bf16 = dtype == "bfloat16"
     args = GRPOConfig(
-        output_dir=str(work_dir / f"trl-seed{seed}"), seed=seed, max_steps=steps, learning_rate=learning_rate,
-        per_device_train_batch_size=GROUP_SIZE, gradient_accumulation_steps=GROUPS,
-        num_generations=GROUP_SIZE,
-        max_completion_length=TRL_MAX_COMPLETION_TOKENS, max_tool_calling_iterations=MAX_TURNS - 1,
+        output_dir=str(output_dir), seed=seed, max_steps=steps, learning_rate=learning_rate,
+        per_device_train_batch_size=group_size, gradient_accumulation_steps=groups,
+        num_generations=group_size, max_completion_length=max_completion_length,
         temperature=1.0, shuffle_dataset=False, use_cpu=True, bf16=bf16, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, lr_scheduler_type="constant",
+        **trl_settings,
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(str(model), dtype="float32"),
-        reward_funcs=game_reward,
+        reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_dict(rows),
         processing_class=AutoTokenizer.from_pretrained(str(model), padding_side="left"),
-        environment_factory=_GameTools,
         callbacks=[StepClock()],
+        **({"environment_factory": environment_factory} if environment_factory else {}),
     )
     trainer.train()
 
@@ -279,7 +404,7 @@ def run_side(side: str, model: Path, seed: int, steps: int, args: argparse.Names
         )
     command = [sys.executable, __file__, f"--side={side}", f"--model={model}", f"--seed={seed}",
                f"--steps={steps}", f"--dtype={args.dtype}", f"--work-dir={args.work_dir}",
-               f"--learning-rate={args.learning_rate}"]  # fmt: skip
+               f"--learning-rate={args.learning_rate}", f"--work={args.work}"]  # fmt: skip
     started = time.perf_counter()
     process = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     records = [
@@ -293,7 +418,7 @@ def run_side(side: str, model: Path, seed: int, steps: int, args: argparse.Names
     return records
 
 
-def summarise(records: list[dict], steps: int) -> None:
+def summarise(records: list[dict], steps: int, shape: str) -> None:
     def per_step(side: str) -> list[float]:
         return [statistics.mean(r["reward"] for r in records if r["side"] == side and r["step"] == s)
                 for s in range(1, steps + 1)]  # fmt: skip
@@ -302,7 +427,7 @@ def summarise(records: list[dict], steps: int) -> None:
         return statistics.median(r["seconds"] for r in records if r["side"] == side)
 
     seeds = sorted({r["seed"] for r in records})
-    print(f"\nreward per step, mean over {len(seeds)} seed(s) (each step: 16 episodes of 4 tasks):")
+    print(f"\nreward per step, mean over {len(seeds)} seed(s) (each step: {shape}):")
     for side in ("ours", "trl"):
         curve = per_step(side)
         print(
@@ -327,11 +452,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed x 2 steps")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--work-dir", type=Path, default=WORK_DIR)
-    parser.add_argument("--learning-rate", type=float, default=DEMO_LEARNING_RATE)
+    parser.add_argument("--work", choices=WORKS, default="multi-turn")
+    parser.add_argument(
+        "--learning-rate", type=float, default=None, help="default: the demo's 5e-5; single-turn's 2e-5"
+    )
     parser.add_argument("--side", choices=("prepare", "ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    single = args.work == "single-turn"
+    if args.learning_rate is None:
+        args.learning_rate = SINGLE_LEARNING_RATE if single else DEMO_LEARNING_RATE
     if args.install:
         install(args.trl_dir)
         return
@@ -339,21 +470,26 @@ def main(argv: list[str] | None = None) -> None:
         prepare(args.work_dir, args.dtype)
         return
     if args.side:
-        runner = run_ours if args.side == "ours" else run_trl
+        runners = {"ours": (run_ours, run_ours_single), "trl": (run_trl, run_trl_single)}
+        runner = runners[args.side][single]
         runner(args.model, args.seed, args.steps, args.dtype, args.work_dir, args.learning_rate)
         return
     if not (args.trl_dir / "trl").is_dir():
         raise SystemExit(f"TRL is not in {args.trl_dir}: run `python bench/bench_trl.py --install` first")
     seeds, steps = (1, 2) if args.quick else (args.seeds, args.steps)
-    model = args.work_dir / "prepare" / "warm_start_model"
-    if not (model / "config.json").is_file():
+    warm_started = args.work_dir / "prepare" / "warm_start_model"
+    # Single-turn starts from the base model (its arithmetic owes nothing to the tool warm-start).
+    model = args.work_dir / "base_model" if single else warm_started
+    if not (warm_started / "config.json").is_file():
         print(f"preparing the warm-started model in {model} (once)", flush=True)
         # In its own process: the driver holds no model while the sides run.
         subprocess.run([sys.executable, __file__, "--side=prepare", f"--dtype={args.dtype}",
                         f"--work-dir={args.work_dir}"], cwd=REPO, check=True)  # fmt: skip
+    groups, group_size = (SINGLE_GROUPS, SINGLE_GROUP_SIZE) if single else (GROUPS, GROUP_SIZE)
+    shape = f"{groups * group_size} episodes of {groups} tasks"
     print(
-        f"{seeds} seed(s) x {steps} steps, {GROUPS}x{GROUP_SIZE} episodes a step, {args.dtype}, "
-        f"learning rate {args.learning_rate:g}:",
+        f"{args.work}: {seeds} seed(s) x {steps} steps, {groups}x{group_size} episodes a step, "
+        f"{args.dtype}, learning rate {args.learning_rate:g}:",
         flush=True,
     )
     records: list[dict] = []
@@ -361,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
         order = ("ours", "trl") if seed % 2 == 0 else ("trl", "ours")
         for side in order:
             records += run_side(side, model, seed, steps, args)
-    summarise(records, steps)
+    summarise(records, steps, shape)
 
 
 if __name__ == "__main__":

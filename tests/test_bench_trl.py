@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from transformers.utils import get_json_schema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -78,3 +79,17 @@ def test_the_reward_is_the_games_score_of_the_final_reply():
         [],
     ]
     assert bench_trl.game_reward(completions, target) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_the_single_turn_reward_is_the_nearest_numbers_closeness_and_the_work_is_the_recipes():
+    replies = [" 42 ", "21", "12 + 11 = 22", "The answer is 7.", "", "-3.0 it is", "forty-two", "900"]
+    targets = ["42", "42", "23", "7", "42", "-3", "42", "42"]
+    completions = [[{"role": "assistant", "content": reply}] for reply in replies]
+    rewards = bench_trl.math_reward(completions, targets)
+    assert rewards == pytest.approx([1.0, 0.5, 1 - 1 / 23, 1.0, 0.0, 1.0, 0.0, 0.0])
+    assert bench_trl.math_reward([[]], ["1"]) == [0.0]  # no reply at all
+    config = bench_trl.single_turn_config(Path("m"), 3, 5, "float32", Path("w"), 2e-5)
+    config.validate({"WANDB_MODE": "offline"})
+    assert (config.batch_size, config.episodes_per_task, config.max_tokens_per_turn) == (4, 8, 16)
+    assert config.max_sampling_attempts == 1 and config.seed == 3
+    assert all(task.metadata["level"] == 1 for task in bench_trl.math_level1_tasks())
