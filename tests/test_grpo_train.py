@@ -10,6 +10,7 @@ import torch
 
 from cookbook_lib.envs import Task
 from cookbook_lib.generators import HFGenerator
+from cookbook_lib.grpo import lockstep
 from cookbook_lib.grpo import train as train_module
 from cookbook_lib.grpo.config import ConfigError, GRPOConfig
 from cookbook_lib.grpo.resume_rules import read_config_history
@@ -258,6 +259,35 @@ def test_grpo_raises_a_trivially_learnable_reward(tiny_model_dir, tmp_path):
     rewards = [m["reward_mean"] for m in result.metrics if "reward_mean" in m]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards
+
+
+def test_a_resampling_round_starts_without_the_kept_prefixes_of_the_round_before(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A round that resamples groups without signal starts once the previous round's episodes have
+    all ended: their last turns' caches would only sit beside the new round's."""
+    generators: list[HFGenerator] = []
+    kept_at_round: list[tuple[int, int, int]] = []
+    build, choose = HFGenerator.__init__, lockstep.tasks_for_step
+
+    def build_and_watch(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        generators.append(self)
+
+    def choose_and_watch(tasks, config, step, attempt, count):
+        kept_at_round.append((step, attempt, generators[0].num_cached_prefixes))
+        return choose(tasks, config, step, attempt, count)
+
+    monkeypatch.setattr(HFGenerator, "__init__", build_and_watch)
+    monkeypatch.setattr(lockstep, "tasks_for_step", choose_and_watch)
+    config = tiny_config(
+        tiny_model_dir, tmp_path, num_steps=1, checkpoint_interval=0, max_sampling_attempts=3,
+        validation_interval=0,
+    )  # fmt: skip
+    # Every reply scores 0: no group has signal, so each step samples all three rounds.
+    train_single_turn(config, tasks=TASKS, reward_fn=lambda task, reply: 0.0)
+    assert generators[0]._prefixes.max_entries > 0  # prefix reuse is on
+    assert kept_at_round == [(1, 0, 0), (1, 1, 0), (1, 2, 0)]
 
 
 @pytest.mark.parametrize("bound", [None, 3])

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from cookbook_lib.codecs import Codec
 from cookbook_lib.envs.base import Task
@@ -69,6 +69,7 @@ async def collect_groups(
     policy_factory: Callable[[int], Callable[[], ModelPolicy]],
     step: int,
     status: Callable[[], str] | None = None,
+    between_rounds: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[list[list[Episode]], int]:
     """Groups for one step: ``batch_size`` tasks, then up to ``max_sampling_attempts - 1`` more
     rounds for the groups that came back without signal (all rewards equal).
@@ -77,11 +78,14 @@ async def collect_groups(
     (with several generator replicas, groups are spread over them). Returns every group sampled (zero-variance
     ones included, so the skip ratio counts them) and the number of rounds used. A progress bar
     counts each round's episodes as they finish, with ``status()`` (the tokens sampled) beside it.
+    ``between_rounds()`` is awaited after a round that another follows (every episode has ended).
     """
     groups: list[list[Episode]] = []
     wanted = config.batch_size
     attempt = 0
     while wanted > 0 and attempt < config.max_sampling_attempts:
+        if attempt and between_rounds is not None:
+            await between_rounds()
         round_tasks = tasks_for_step(tasks, config, step, attempt, wanted)
         desc = f"step {step} sampling" + (f" (round {attempt + 1})" if attempt else "")
         episodes = len(round_tasks) * config.episodes_per_task
@@ -173,6 +177,8 @@ async def lockstep_step(
         ),
         step,
         status=tokens_status(replicas.generators),
+        # The last round's episodes have all ended: their kept caches would sit beside the next's.
+        between_rounds=replicas.drop_kept_prefixes,
     )
     times = StepTimes(started=started, sampled_at=time.perf_counter())
     # Every episode has ended: the caches of their last turns would sit beside the step's
