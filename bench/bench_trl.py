@@ -281,23 +281,29 @@ def math_reward(completions: list[list[dict]], target: list[str], **kwargs) -> l
     ]
 
 
-def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
+def trl_rows(config, tasks: list, groups: int, system_prompt: str) -> tuple[list, dict[str, list]]:
+    """TRL's dataset: the tasks our side samples, ``groups`` a step for ``config.num_steps`` steps
+    in that order (TRL reads it unshuffled), each as a system and a user message with its target."""
     from cookbook_lib.grpo.lockstep import tasks_for_step
+
+    ordered = [
+        task
+        for step in range(1, config.num_steps + 1)
+        for task in tasks_for_step(tasks, config, step, 0, groups)
+    ]
+    prompts = [
+        [{"role": "system", "content": system_prompt}, {"role": "user", "content": task.prompt}]
+        for task in ordered
+    ]
+    return ordered, {"prompt": prompts, "target": [str(task.target) for task in ordered]}
+
+
+def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
     from envs.tool_use_game.env import SYSTEM_PROMPT
 
     config = our_config(model, seed, steps, dtype, work_dir, learning_rate)
-    tasks = tier1_tasks()
-    ordered = [
-        task for step in range(1, steps + 1) for task in tasks_for_step(tasks, config, step, 0, GROUPS)
-    ]
-    rows = {
-        "prompt": [
-            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
-            for task in ordered
-        ],
-        "facts": [json.dumps(task.metadata["facts"]) for task in ordered],
-        "target": [str(task.target) for task in ordered],
-    }
+    ordered, rows = trl_rows(config, tier1_tasks(), GROUPS, SYSTEM_PROMPT)
+    rows["facts"] = [json.dumps(task.metadata["facts"]) for task in ordered]
     _train_trl(
         model, seed, steps, dtype, work_dir / f"trl-seed{seed}", learning_rate, rows, game_reward,
         groups=GROUPS, group_size=GROUP_SIZE, max_completion_length=TRL_MAX_COMPLETION_TOKENS,
@@ -308,21 +314,10 @@ def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, lear
 def run_trl_single(
     model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float
 ) -> None:
-    from cookbook_lib.grpo.lockstep import tasks_for_step
     from recipes.grpo.single_turn import SYSTEM_PROMPT
 
     config = single_turn_config(model, seed, steps, dtype, work_dir, learning_rate)
-    tasks = math_level1_tasks()
-    ordered = [
-        task for step in range(1, steps + 1) for task in tasks_for_step(tasks, config, step, 0, SINGLE_GROUPS)
-    ]
-    rows = {
-        "prompt": [
-            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
-            for task in ordered
-        ],
-        "target": [str(task.target) for task in ordered],
-    }
+    _, rows = trl_rows(config, math_level1_tasks(), SINGLE_GROUPS, SYSTEM_PROMPT)
     _train_trl(
         model, seed, steps, dtype, work_dir / f"trl-single-seed{seed}", learning_rate, rows, math_reward,
         groups=SINGLE_GROUPS, group_size=SINGLE_GROUP_SIZE, max_completion_length=SINGLE_MAX_TOKENS,

@@ -93,3 +93,17 @@ def test_the_single_turn_reward_is_the_nearest_numbers_closeness_and_the_work_is
     assert (config.batch_size, config.episodes_per_task, config.max_tokens_per_turn) == (4, 8, 16)
     assert config.max_sampling_attempts == 1 and config.seed == 3
     assert all(task.metadata["level"] == 1 for task in bench_trl.math_level1_tasks())
+
+
+def test_trls_dataset_is_the_tasks_our_side_samples_in_order():
+    from cookbook_lib.grpo.lockstep import tasks_for_step
+
+    config = bench_trl.single_turn_config(Path("m"), 1, 3, "float32", Path("w"), 2e-5)
+    tasks = bench_trl.math_level1_tasks()
+    ordered, rows = bench_trl.trl_rows(config, tasks, 4, "Reply with a number.")
+    assert ordered == [t for step in (1, 2, 3) for t in tasks_for_step(tasks, config, step, 0, 4)]
+    assert rows["target"] == [str(task.target) for task in ordered] and len(rows["prompt"]) == 12
+    assert rows["prompt"][5] == [
+        {"role": "system", "content": "Reply with a number."},
+        {"role": "user", "content": ordered[5].prompt},
+    ]
