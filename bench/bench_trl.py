@@ -337,6 +337,7 @@ def _train_trl(
     groups: int,
     group_size: int,
     max_completion_length: int,
+    environment_factory: type | None = None,
     **trl_settings,
 ) -> None:
     """TRL's ``GRPOTrainer`` with its defaults on ``rows`` (one step's ``groups`` prompts after the
@@ -353,7 +354,6 @@ def _train_trl(
     datasets.arrow_dataset.generate_fingerprint = lambda dataset: (
         datasets.fingerprint.generate_random_fingerprint()
     )
-    environment_factory = trl_settings.pop("environment_factory", None)
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
