@@ -1,8 +1,9 @@
 """An evaluation beside a training process: its time per sampled token, alone and with a busy neighbour.
 
-    python bench/bench_contention.py                    # torch's OpenMP defaults against two waits
+    python bench/bench_contention.py                    # fixed threads, two OpenMP waits, fitted threads
     python bench/bench_contention.py --quick            # fewer tokens, one round
-    python bench/bench_contention.py --settings "OMP_WAIT_POLICY=PASSIVE" "GOMP_SPINCOUNT=10000"
+    python bench/bench_contention.py --settings "COOKBOOK_FIT_THREADS=0" "defaults"
+    python bench/bench_contention.py --neighbour fixed  # beside a process that never yields a core
 
 A workshop laptop or a Colab VM has two cores, and a second job often runs on them: a training
 run beside an evaluation, a browser beside the kernel. A fair share of two cores for each of two
@@ -11,10 +12,14 @@ OpenMP (libgomp) spin-waits between parallel regions: a thread that finishes its
 spins, holding its core, until its partner (descheduled for the neighbour) finishes too, so both
 processes lose far more than their share.
 
-Each arm is one setting of the OpenMP environment (``defaults``: torch's own, none set), given
-to fresh processes because libgomp reads it when torch loads. For each arm the bench
+The library's answer (``runtime.cpu_share``): the compute threads fit torch's team to the cores
+other processes leave free, re-read once a second. Each arm is one setting of the environment
+(``defaults``: none set, so the library fits its threads; ``COOKBOOK_FIT_THREADS=0``: torch's
+fixed team, the library before session 19; OpenMP's own waits beside that), given to fresh
+processes because libgomp reads it when torch loads. For each arm the bench
 starts a fresh evaluation process alone, then beside a neighbour process that trains the embedded
-model (forward and backward of a fixed batch, in a loop) under the same setting, and prints the
+model (forward and backward of a fixed batch, in a loop, fitting its threads between steps as the
+library's trainer does) under the same setting, and prints the
 seconds per sampled token of both, their ratio, and each arm's time alone over the defaults'.
 The evaluation samples 16 seeded chat prompts with ``HFGenerator`` (every row the same length).
 Timings on a shared machine are noisy: compare the ratios of one run.
@@ -68,6 +73,7 @@ def neighbour() -> None:
     """Train the embedded model on a fixed batch until killed: a busy process using every core."""
     import torch
 
+    from cookbook_lib.runtime.cpu_share import fit_threads
     from cookbook_lib.runtime.models import load_model
 
     model = load_model()
@@ -76,6 +82,7 @@ def neighbour() -> None:
     batch = torch.randint(0, 1000, (2, 256), generator=torch.Generator().manual_seed(0))
     announced = False
     while True:
+        fit_threads(torch.device("cpu"))  # as the trainer does before each micro-batch
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
@@ -86,7 +93,8 @@ def neighbour() -> None:
 
 
 def _environment(setting: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    settings = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "COOKBOOK_FIT_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in settings}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["TQDM_DISABLE"] = "1"
     if setting != "defaults":
@@ -105,9 +113,12 @@ def _run_evaluation(env: dict[str, str], prompts: int, new_tokens: int) -> float
     return result["seconds"] / result["tokens"]
 
 
-def _beside_neighbour(env: dict[str, str], prompts: int, new_tokens: int) -> float:
+def _beside_neighbour(env: dict[str, str], prompts: int, new_tokens: int, neighbour_fits: bool) -> float:
     command = [sys.executable, __file__, "--role", "neighbour"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    neighbour_env = env if neighbour_fits else {**env, "COOKBOOK_FIT_THREADS": "0"}
+    process = subprocess.Popen(
+        command, env=neighbour_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
@@ -129,8 +140,20 @@ def main() -> None:
     parser.add_argument(
         "--settings",
         nargs="*",
-        default=["defaults", "GOMP_SPINCOUNT=10000", "OMP_WAIT_POLICY=PASSIVE"],
-        help="arms: defaults (none set) or NAME=VALUE,...",
+        default=[
+            "COOKBOOK_FIT_THREADS=0",
+            "COOKBOOK_FIT_THREADS=0,GOMP_SPINCOUNT=10000",
+            "COOKBOOK_FIT_THREADS=0,OMP_WAIT_POLICY=PASSIVE",
+            "defaults",
+        ],
+        help="arms: defaults (none set) or NAME=VALUE,...; the first is the baseline",
+    )
+    parser.add_argument(
+        "--neighbour",
+        choices=["same", "fixed"],
+        default="same",
+        help="the neighbour's setting: the arm's (same), or torch's fixed team whatever the arm (fixed:"
+        " a process that never yields a core)",
     )
     args = parser.parse_args()
     if args.role == "evaluation":
@@ -142,20 +165,22 @@ def main() -> None:
 
     print(
         f"{args.prompts} prompts x {args.new_tokens} sampled tokens, {os.cpu_count()} CPUs,"
-        f" best of {args.rounds}"
+        f" best of {args.rounds}, the neighbour's threads: {args.neighbour}"
     )
     print(
-        f"{'setting':<34} {'alone ms/tok':>12} {'beside ms/tok':>14}"
-        f" {'beside/alone':>13} {'alone/defaults':>15}"
+        f"{'setting':<46} {'alone ms/tok':>12} {'beside ms/tok':>14} {'beside/alone':>13} {'alone/first':>15}"
     )
     baseline_alone: float | None = None
     for setting in args.settings:
         env = _environment(setting)
         alone = min(_run_evaluation(env, args.prompts, args.new_tokens) for _ in range(args.rounds))
-        beside = min(_beside_neighbour(env, args.prompts, args.new_tokens) for _ in range(args.rounds))
+        beside = min(
+            _beside_neighbour(env, args.prompts, args.new_tokens, args.neighbour == "same")
+            for _ in range(args.rounds)
+        )
         baseline_alone = baseline_alone or alone
         print(
-            f"{setting:<34} {1000 * alone:>12.1f} {1000 * beside:>14.1f} {beside / alone:>12.2f}x"
+            f"{setting:<46} {1000 * alone:>12.1f} {1000 * beside:>14.1f} {beside / alone:>12.2f}x"
             f" {alone / baseline_alone:>14.2f}x",
             flush=True,
         )

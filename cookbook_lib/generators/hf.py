@@ -38,6 +38,7 @@ from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
 from cookbook_lib.generators.slot_batch import SlotDecodeBatch, fixed_shape_decode_supported
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 from cookbook_lib.generators.worker import WorkerGenerator
+from cookbook_lib.runtime.cpu_share import fit_threads
 from cookbook_lib.runtime.memory import release_memory
 from cookbook_lib.runtime.onednn_linear import onednn_linears
 
@@ -243,6 +244,7 @@ class HFGenerator(WorkerGenerator):
                 self._prefill_group([r for r, _ in group], [p for _, p in group])
 
     def _prefill_group(self, requests: list[Request], prefixes: list[CachedPrefix | None]) -> None:
+        fit_threads(self.device)
         start = time.perf_counter()
         reused = sum(len(prefix) for prefix in prefixes if prefix is not None)
         try:
@@ -257,6 +259,7 @@ class HFGenerator(WorkerGenerator):
         self._retire(finished)
 
     def _decode(self) -> None:
+        fit_threads(self.device)  # a shared CPU's free cores, re-read once a second
         start, rows = time.perf_counter(), len(self._batch)
         try:
             with torch.inference_mode(), onednn_linears(self.device):

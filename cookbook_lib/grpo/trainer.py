@@ -34,6 +34,7 @@ from cookbook_lib.grpo.shared_prefix import (
     tree_attention_unsupported,
 )
 from cookbook_lib.rollout.episode import EndCause, TokenSequence
+from cookbook_lib.runtime.cpu_share import fit_threads
 from cookbook_lib.runtime.devices import Precision, autocast
 from cookbook_lib.runtime.memory import large_blocks_mapped, release_memory
 from cookbook_lib.runtime.onednn_linear import onednn_linears, recompute_as_forward
@@ -300,6 +301,7 @@ class PolicyTrainer:
         forwarded_tokens = 0
         shown = progress_bar(progress or "", iterable=micro_batches, unit="micro-batch", show=bool(progress))
         for micro_batch in shown:
+            fit_threads(self.device)  # a shared CPU's free cores, re-read once a second
             batch = self._collate(micro_batch)
             forwarded_tokens += int(
                 batch["tree_input_ids"].numel() if packs_trees else batch["input_ids"].numel()
