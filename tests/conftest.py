@@ -9,6 +9,9 @@ import pytest
 
 # W&B never reaches the network from the tests.
 os.environ.setdefault("WANDB_MODE", "offline")
+# A fixed thread count: a count fitted to a shared machine's free cores (runtime.cpu_share) changes
+# float rounding, and the resume tests compare weights bit for bit. tests/test_cpu_share.py tests it.
+os.environ.setdefault("COOKBOOK_FIT_THREADS", "0")
 
 
 @pytest.fixture(scope="session")
