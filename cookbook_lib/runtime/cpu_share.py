@@ -4,10 +4,11 @@ Why: torch's OpenMP runs every op on a team of one thread per core, and the team
 a barrier after each op. On a shared machine (a workshop laptop running a browser beside the
 kernel, a Colab VM with 2 vCPUs, an evaluation beside a training run) one of those threads is often
 descheduled for the other process, and its partner spins at the barrier, holding a core, until it
-comes back: an evaluation beside a training process took 3.6-5.6x its time alone on 2 cores, where a
+comes back: an evaluation beside a training process took 3.6-5.7x its time alone on 2 cores, where a
 fair share of the CPU would cost 2x (``bench/bench_contention.py``, docs/benchmarks.md). OpenMP's
-own remedies (``OMP_WAIT_POLICY=PASSIVE``, a short ``GOMP_SPINCOUNT``) must be set before torch
-loads and cost 15-70% when the process is alone.
+own remedies must be set before torch loads, and measured worse: ``OMP_WAIT_POLICY=PASSIVE`` costs
+~20% alone (1.42x beside), a short ``GOMP_SPINCOUNT`` still leaves 2.9x beside; fitted, 1.84x and
+nothing alone.
 
 So the compute threads (the generator's worker, the trainer) call :func:`fit_threads` between
 their steps: at most once a second it reads how busy this process's cores were (``/proc/stat``)
