@@ -92,9 +92,10 @@ from recipes.grpo.tool_use_game_async import async_demo_config
 # %% [markdown]
 # The next cell holds the notebook's parameters (tagged `parameters`, so papermill can set them).
 # Run as it is, the notebook trains two runs of four steps (async and lockstep) and three runs of
-# two steps (one per weight-sync mode): about 22 minutes on a 2-core CPU (21:39 measured on
-# 2026-12-03 through `jupyter nbconvert --execute` on an AMD EPYC VM, the kernel process at 5.0 GB
-# resident at its peak; 25 minutes before the trainer forwarded shared prefixes once). The test suite sets
+# two steps (one per weight-sync mode): about 22 minutes on a 2-core CPU where Ray is not installed
+# (21:39 measured on 2026-12-03 through `jupyter nbconvert --execute` on an AMD EPYC VM, the kernel
+# process at 5.0 GB resident at its peak; the last section, which runs only with Ray, adds a run of its
+# own with a model copy per actor, and was not timed then). The test suite sets
 # `COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of two short episodes, to check
 # that the notebook runs; the small runs learn nothing, and their timelines are mostly start-up.
 
