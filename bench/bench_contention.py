@@ -20,7 +20,7 @@ processes because libgomp reads it when torch loads. For each arm the bench
 starts a fresh evaluation process alone, then beside a neighbour process that trains the embedded
 model (forward and backward of a fixed batch, in a loop, fitting its threads between steps as the
 library's trainer does) under the same setting, and prints the
-seconds per sampled token of both, their ratio, and each arm's time alone over the defaults'.
+seconds per sampled token of both, their ratio, and each arm's time alone over the first arm's.
 The evaluation samples 16 seeded chat prompts with ``HFGenerator`` (every row the same length).
 Timings on a shared machine are noisy: compare the ratios of one run.
 """
