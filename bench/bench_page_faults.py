@@ -22,10 +22,10 @@ when allocated: the demo spent 12-15% of its user time in the kernel. The settin
 
 torch reads the variable once, at its first allocation, so every arm is a fresh process: the same
 step's samples (``bench_step.samples_of_step``) train on a fresh copy of the model
-(``bench_step.train_arm``, prefix trees, after one warm-up step), arms alternating, ``--rounds``
-times each. Printed per arm: medians of trainer seconds, user and system seconds, minor faults and
-the step's peak resident size; then each arm over the defaults. Timings on a shared CPU are noisy:
-check ``uptime`` first and read the ratios of one run.
+(``bench_step.train_arm``, prefix trees with their attention segments, after one warm-up step),
+arms alternating, ``--rounds`` times each. Printed per arm: medians of trainer seconds, user and
+system seconds, minor faults and the step's peak resident size; then each arm over the defaults.
+Timings on a shared CPU are noisy: check ``uptime`` first and read the ratios of one run.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _thp_mode() -> str:
 def child(episodes: Path, model: Path, arm: dict) -> None:
     """One arm, in this fresh process: train the step once and print its figures as JSON."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_step import samples_of_step, train_arm
+    from bench_step import TREES_SEGMENTS, samples_of_step, train_arm
 
     from cookbook_lib.runtime import memory
     from recipes.grpo.tool_use_game import demo_config
@@ -90,7 +90,7 @@ def child(episodes: Path, model: Path, arm: dict) -> None:
 
     config = demo_config()
     samples, _ = samples_of_step(episodes, config)
-    print(_RESULT_PREFIX + json.dumps(train_arm(model, samples, config, shared=True)), flush=True)
+    print(_RESULT_PREFIX + json.dumps(train_arm(model, samples, config, TREES_SEGMENTS)), flush=True)
 
 
 def run_arm(name: str, episodes: Path, model: Path) -> dict[str, float]:

@@ -10,10 +10,12 @@
    and the step's own training time. Skipped when ``--episodes`` names a step's episodes.
 2. Training, side by side: the same step's samples (``build_samples`` exactly as the step built
    them) train on a fresh copy of the same model with ``shared_prefix_training`` off (padded rows,
-   the old path) and on (one packed prefix tree per micro-batch), alternating, ``--repeats`` times
-   each. Per arm: micro-batches, tokens forwarded, trainer seconds, user and system CPU seconds,
-   minor page faults, the peak resident size during the step, and the loss (the same on both).
-   Then the ratios new / old. Timings on a shared CPU are noisy: read the ratios of one run.
+   the baseline), on with the tree's dense block mask alone, and on with the tree's attention
+   segments (:mod:`cookbook_lib.grpo.tree_attention`, the default on a CPU), in turn,
+   ``--repeats`` times each. Per arm: micro-batches, tokens forwarded, trainer seconds, user and
+   system CPU seconds, minor page faults, the peak resident size during the step, and the loss
+   (the same on all). Then each tree arm's ratios against padded rows, and segments against the
+   dense mask. Timings on a shared CPU are noisy: read the ratios of one run.
 """
 
 from __future__ import annotations
@@ -87,12 +89,19 @@ def _peak_rss_gb() -> float:
     return float("nan")
 
 
-def train_arm(model_dir: Path, samples, config: GRPOConfig, shared: bool) -> dict[str, float]:
+def train_arm(model_dir: Path, samples, config: GRPOConfig, arm: str) -> dict[str, float]:
     """One training step of ``samples`` on a fresh copy of the model; its cost and loss."""
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir))
-    arm = dataclasses.replace(config, shared_prefix_training=shared)
-    trainer = make_trainer(arm, model, tokenizer, resolve_precision("cpu", "float32"))
+    shared = arm != PADDED
+    trainer = make_trainer(
+        dataclasses.replace(config, shared_prefix_training=shared),
+        model,
+        tokenizer,
+        resolve_precision("cpu", "float32"),
+    )
+    if arm == TREES_DENSE:  # the trees' dense block mask alone, as before tree_attention
+        trainer.segmented_tree_attention = False
     # A run's steps after its first find AdamW's moments allocated: one warm-up step on one sample.
     trainer.grpo_step(samples[:1], LossSettings.from_config(config))
     release_memory()
@@ -113,6 +122,10 @@ def train_arm(model_dir: Path, samples, config: GRPOConfig, shared: bool) -> dic
         "trained_tokens": metrics["trained_tokens"],
         "loss": metrics["loss"],
     }
+
+
+PADDED, TREES_DENSE, TREES_SEGMENTS = "padded rows", "prefix trees, dense mask", "prefix trees, segments"
+ARMS = (PADDED, TREES_DENSE, TREES_SEGMENTS)
 
 
 def samples_of_step(episodes_path: Path, config: GRPOConfig):
@@ -150,25 +163,29 @@ def main() -> None:
         f"{sum(lengths)} in all), micro_batch_tokens={config.micro_batch_tokens}, "
         f"activation checkpointing {'on' if config.activation_checkpointing else 'off'}"
     )
-    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     for _ in range(repeats):
-        for shared in (False, True):
-            runs[shared].append(train_arm(model_dir, copy.copy(samples), config, shared))
+        for arm in ARMS:
+            runs[arm].append(train_arm(model_dir, copy.copy(samples), config, arm))
     fields = ("forwarded_tokens", "trainer_s", "user_s", "system_s", "minor_faults", "peak_rss_gb", "loss")
-    medians = {shared: {f: statistics.median(r[f] for r in runs[shared]) for f in fields} for shared in runs}
+    medians = {arm: {f: statistics.median(r[f] for r in runs[arm]) for f in fields} for arm in ARMS}
     print(f"\n| arm | {' | '.join(fields)} |\n| --- |{' ---: |' * len(fields)}")
-    for shared, name in ((False, "padded rows (old)"), (True, "prefix trees (new)")):
-        row = medians[shared]
-        print(f"| {name} | " + " | ".join(f"{row[f]:.4g}" for f in fields) + " |")
-    old, new = medians[False], medians[True]
-    print(
-        f"\nnew / old: tokens forwarded {new['forwarded_tokens'] / old['forwarded_tokens']:.2f}x, "
-        f"trainer time {new['trainer_s'] / old['trainer_s']:.2f}x, "
-        f"system time {new['system_s'] / max(old['system_s'], 1e-9):.2f}x, "
-        f"page faults {new['minor_faults'] / max(old['minor_faults'], 1):.2f}x; "
-        f"system / user time {old['system_s'] / old['user_s']:.1%} -> {new['system_s'] / new['user_s']:.1%}; "
-        f"loss difference {abs(new['loss'] - old['loss']):.2e}"
-    )
+    for arm in ARMS:
+        print(f"| {arm} | " + " | ".join(f"{medians[arm][f]:.4g}" for f in fields) + " |")
+    old = medians[PADDED]
+    for arm in (TREES_DENSE, TREES_SEGMENTS):
+        new = medians[arm]
+        print(
+            f"\n{arm} / {PADDED}: tokens forwarded "
+            f"{new['forwarded_tokens'] / old['forwarded_tokens']:.2f}x, "
+            f"trainer time {new['trainer_s'] / old['trainer_s']:.2f}x, "
+            f"system time {new['system_s'] / max(old['system_s'], 1e-9):.2f}x, "
+            f"page faults {new['minor_faults'] / max(old['minor_faults'], 1):.2f}x; system / user time "
+            f"{old['system_s'] / old['user_s']:.1%} -> {new['system_s'] / new['user_s']:.1%}; "
+            f"loss difference {abs(new['loss'] - old['loss']):.2e}"
+        )
+    dense, segments = medians[TREES_DENSE], medians[TREES_SEGMENTS]
+    print(f"\nsegments / dense mask: trainer time {segments['trainer_s'] / dense['trainer_s']:.2f}x")
 
 
 if __name__ == "__main__":

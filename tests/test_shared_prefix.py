@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import copy
-import math
-import random
 
 import pytest
 import torch
+from prefix_tree_samples import episodes, step_gradients
 
 from cookbook_lib.grpo import trainer as trainer_module
 from cookbook_lib.grpo.loss_settings import LossSettings
-from cookbook_lib.grpo.samples import TrainingSample, collate
+from cookbook_lib.grpo.samples import collate
 from cookbook_lib.grpo.shared_prefix import (
     build_prefix_tree,
     pack_shared_micro_batches,
@@ -19,58 +18,10 @@ from cookbook_lib.grpo.shared_prefix import (
     tree_attention_unsupported,
 )
 from cookbook_lib.grpo.trainer import PolicyTrainer
-from cookbook_lib.rollout.episode import EndCause
-
-
-def _sample(
-    tokens: list[int], mask: list[bool], vocab: int, advantage: float = 1.0, group: int = 0
-) -> TrainingSample:
-    # Near the tiny model's own (almost uniform) log-probs, so importance ratios stay near 1,
-    # inside the clip range, and every trained token carries a gradient worth comparing.
-    rng = random.Random(len(tokens) * 7 + sum(tokens))
-    return TrainingSample(
-        tokens_T=tokens,
-        loss_mask_T=mask,
-        sampling_logprobs_T=[-math.log(vocab) + rng.uniform(-0.1, 0.1) if m else 0.0 for m in mask],
-        policy_versions_T=[0] * len(tokens),
-        advantage=advantage,
-        group_index=group,
-        episode_index=0,
-        end_cause=EndCause.TERMINATED,
-        reward=advantage,
-    )
-
-
-def _episodes(vocab: int, seed: int = 0) -> list[TrainingSample]:
-    """Multi-turn-shaped samples: one system prompt, two groups with their own task, replies
-    (trained) and tool results (not) of varied lengths; one exact duplicate; one that is a
-    prefix of another's inputs."""
-    rng = random.Random(seed)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(5, vocab) for _ in range(n)]
-
-    system = tokens(24)
-    samples = []
-    for group in range(2):
-        task = tokens(6)
-        for episode in range(3):
-            seq, mask = system + task, [False] * (len(system) + len(task))
-            for _turn in range(rng.randrange(1, 3)):
-                reply, result = tokens(rng.randrange(3, 9)), tokens(rng.randrange(2, 5))
-                seq, mask = seq + reply + result, mask + [True] * len(reply) + [False] * len(result)
-            samples.append(
-                _sample(seq, mask, vocab, advantage=(-1.0) ** episode * (episode + 1), group=group)
-            )
-    samples.append(copy.deepcopy(samples[0]))
-    first = samples[1]
-    cut = first.loss_mask_T.index(True) + 2
-    samples.append(_sample(first.tokens_T[:cut], first.loss_mask_T[:cut], vocab, advantage=0.5))
-    return samples
 
 
 def test_the_tree_holds_each_prefix_once_and_gives_every_sample_its_own_row():
-    samples = _episodes(vocab=100)
+    samples = episodes(vocab=100)
     tree = build_prefix_tree(samples)
     assert tree.num_tokens == packed_length(samples)
     assert tree.num_tokens < sum(len(s) - 1 for s in samples)
@@ -91,7 +42,7 @@ def test_the_tree_holds_each_prefix_once_and_gives_every_sample_its_own_row():
 
 
 def test_packing_keeps_shared_prefixes_together_within_the_budget():
-    samples = _episodes(vocab=100)
+    samples = episodes(vocab=100)
     longest = max(len(s) - 1 for s in samples)
     for budget in (longest, longest + 20, 10_000):
         batches = pack_shared_micro_batches(samples, budget)
@@ -113,19 +64,6 @@ def test_models_that_cannot_take_a_block_mask_are_named_with_why(tiny_model_and_
     assert "sliding_attention" in tree_attention_unsupported(config)
 
 
-def _step_gradients(trainer: PolicyTrainer, samples, settings):
-    captured = {}
-
-    def capture() -> None:
-        captured.update(
-            {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
-        )
-
-    trainer.optimizer.step = capture
-    metrics = trainer.grpo_step(samples, settings)
-    return metrics, captured
-
-
 @pytest.mark.parametrize(
     ("use_lora", "checkpointing", "attention", "kl_coef"),
     [
@@ -140,7 +78,7 @@ def test_same_loss_and_gradients_as_padded_rows(
     tiny_model_and_tokenizer, use_lora, checkpointing, attention, kl_coef, monkeypatch
 ):
     base, tokenizer = tiny_model_and_tokenizer
-    samples = _episodes(vocab=len(tokenizer), seed=3)
+    samples = episodes(vocab=len(tokenizer), seed=3)
     settings = LossSettings(kl_coef=kl_coef)
     results = {}
     for shared in (False, True):
@@ -160,7 +98,7 @@ def test_same_loss_and_gradients_as_padded_rows(
             micro_batch_tokens=4096,
         )
         assert (trainer.shared_prefix_unsupported is None) == shared
-        results[shared] = _step_gradients(trainer, samples, settings)
+        results[shared] = step_gradients(trainer, samples, settings)
     (padded_metrics, padded_grads), (tree_metrics, tree_grads) = results[False], results[True]
     assert tree_metrics["forwarded_tokens"] < 0.6 * padded_metrics["forwarded_tokens"]
     for key in ("loss", "entropy", "trained_tokens", "grad_norm"):
@@ -176,7 +114,7 @@ def test_the_sft_warm_start_trains_the_same_on_the_tree(tiny_model_and_tokenizer
     from cookbook_lib.rollout.episode import TokenSequence
 
     base, tokenizer = tiny_model_and_tokenizer
-    samples = _episodes(vocab=len(tokenizer), seed=5)
+    samples = episodes(vocab=len(tokenizer), seed=5)
     sequences = [
         TokenSequence(
             tokens_T=s.tokens_T,

@@ -15,7 +15,9 @@ each episode's turns when a chat template re-renders nothing.
 
 It needs attention that takes a custom 4D mask and layers that see tokens only through attention:
 :func:`tree_attention_unsupported` says why a model cannot (a recurrent or convolutional layer, a
-sliding window, flash attention), and the trainer then pads as before.
+sliding window, flash attention), and the trainer then pads as before. On a CPU the trainer also
+hands the attention layers the tree's *segments* (:mod:`.tree_attention`), so that they score
+only the pairs the mask allows instead of the dense ``[L, L]`` square.
 
 Shape suffixes: ``_L`` one entry per token of the packed sequence, ``_B``/``_T`` as in
 :func:`cookbook_lib.grpo.samples.collate`.
@@ -63,6 +65,11 @@ class PrefixTree:
     position_ids_L: torch.Tensor
     ancestors_LL: torch.Tensor  # bool: row q may attend to column k
     index_BT: torch.Tensor
+    # One row per sample that adds tokens, in packed order: (first new token's packed position,
+    # new tokens, the sample's tokens), and those samples' packed indices concatenated: the
+    # segments :mod:`.tree_attention` attends over instead of the dense mask.
+    segments_S3: torch.Tensor
+    segment_keys_K: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -103,10 +110,15 @@ def build_prefix_tree(samples: Sequence[TrainingSample]) -> PrefixTree:
     index_BT = torch.zeros((len(inputs), width), dtype=torch.long)
     previous_tokens: list[int] = []
     previous_index: list[int] = []
+    segments: list[tuple[int, int, int]] = []
+    segment_keys: list[int] = []
     for b in order:
         tokens = inputs[b]
         shared = _common_prefix_length(previous_tokens, tokens)
         index = previous_index[:shared] + list(range(len(packed), len(packed) + len(tokens) - shared))
+        if len(tokens) > shared:  # a duplicate, or a prefix of an earlier sample, adds no queries
+            segments.append((len(packed), len(tokens) - shared, len(tokens)))
+            segment_keys.extend(index)
         packed.extend(tokens[shared:])
         positions.extend(range(shared, len(tokens)))
         index_BT[b, : len(tokens)] = torch.tensor(index, dtype=torch.long)
@@ -123,6 +135,8 @@ def build_prefix_tree(samples: Sequence[TrainingSample]) -> PrefixTree:
         position_ids_L=torch.tensor(positions, dtype=torch.long),
         ancestors_LL=ancestors_LL,
         index_BT=index_BT,
+        segments_S3=torch.tensor(segments, dtype=torch.long).reshape(-1, 3),
+        segment_keys_K=torch.tensor(segment_keys, dtype=torch.long),
     )
 
 

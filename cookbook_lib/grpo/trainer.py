@@ -33,6 +33,8 @@ from cookbook_lib.grpo.shared_prefix import (
     pack_shared_micro_batches,
     tree_attention_unsupported,
 )
+from cookbook_lib.grpo.tree_attention import SEGMENTS_KWARG, TreeSegments
+from cookbook_lib.grpo.tree_attention import install as install_tree_attention
 from cookbook_lib.rollout.episode import EndCause, TokenSequence
 from cookbook_lib.runtime.cpu_share import fit_threads
 from cookbook_lib.runtime.devices import Precision, autocast
@@ -128,6 +130,15 @@ class PolicyTrainer:
         self.device = next(model.parameters()).device
         # Default: float32 on the model's device, i.e. no autocast.
         self.precision = precision or Precision(self.device, torch.float32, torch.float32)
+        # On a CPU, SDPA over a tree's segments (tree_attention) scores ~4x fewer pairs than the
+        # dense block mask: a demo step trained in 0.84x the time (bench_step.py). On CUDA the
+        # dense mask stays: the segments are a loop of small kernels per layer, not measured there.
+        self.segmented_tree_attention = (
+            self.packs_prefix_trees
+            and self.device.type == "cpu"
+            and model.config._attn_implementation == "sdpa"
+            and install_tree_attention()
+        )
         if self.precision.device != self.device:
             raise ValueError(
                 f"the model is on {self.device} but the precision policy says {self.precision.device}; "
@@ -169,11 +180,18 @@ class PolicyTrainer:
         mask = attention_mask_4d(
             batch["tree_ancestors"], causal_lm.config._attn_implementation, torch.float32
         )
+        # The dense mask goes too: an attention layer that never sees the segments applies it.
+        segments = {}
+        if self.segmented_tree_attention:
+            segments[SEGMENTS_KWARG] = TreeSegments.from_tensors(
+                batch["tree_segments"], batch["tree_segment_keys"]
+            )
         hidden_LH = causal_lm.base_model(
             input_ids=batch["tree_input_ids"][None],
             position_ids=batch["tree_position_ids"][None],
             attention_mask=mask,
             use_cache=False,
+            **segments,
         ).last_hidden_state[0]
         # Indexing a shared position more than once sums its gradients in the backward pass.
         return hidden_LH[batch["tree_index"][batch["loss_mask"]]]
@@ -225,6 +243,8 @@ class PolicyTrainer:
                 "tree_position_ids": tree.position_ids_L,
                 "tree_ancestors": tree.ancestors_LL,
                 "tree_index": tree.index_BT,
+                "tree_segments": tree.segments_S3,
+                "tree_segment_keys": tree.segment_keys_K,
             }
         return {key: value.to(self.device) for key, value in batch.items()}
 
