@@ -9,7 +9,9 @@ own mapping (``runtime.memory.large_blocks_mapped``), so each is faulted in page
 when allocated: the demo spent 12-15% of its user time in the kernel. The settings compared:
 
 - the baseline: 4 KB pages, blocks of 256 KB or more mapped within a step (the library until
-  session 13).
+  session 13), the block cache off (every arm sets the variables it does not name to ``0``).
+- ``block cache N MB``: ``runtime.block_cache``, torch's CPU allocator that keeps up to N MB of
+  freed large blocks mapped for the next allocation that fits (512 MB is the library's default).
 - ``THP``: ``THP_MEM_ALLOC_ENABLE=1``, torch's own switch: CPU tensors of 2 MB or more
   are 2 MB-aligned and advised ``MADV_HUGEPAGE``, one fault per 2 MB where the kernel's
   transparent huge pages are ``madvise`` or ``always`` (``/sys/kernel/mm/transparent_hugepage``).
@@ -18,7 +20,7 @@ when allocated: the demo spent 12-15% of its user time in the kernel. The settin
 - ``keep 1 GB``: glibc's trim threshold within a step (free memory kept at a heap's top).
 
 ``THP, map >= 32 MB`` is what the library does where the user sets ``THP_MEM_ALLOC_ENABLE=1``
-(``runtime.huge_pages``); the baseline is its default.
+(``runtime.huge_pages``); ``block cache 512 MB`` is its default.
 
 torch reads the variable once, at its first allocation, so every arm is a fresh process: the same
 step's samples (``bench_step.samples_of_step``) train on a fresh copy of the model
@@ -39,13 +41,20 @@ import sys
 from pathlib import Path
 
 MB = 1024 * 1024
-BASELINE = "4 KB pages, map >= 256 KB (session 13)"
+BASELINE = "4 KB pages, map >= 256 KB, no block cache (session 13)"
 # Each arm: environment variables for torch, and glibc malloc's thresholds within a step.
 # ``step_mmap_threshold``: blocks of that size or more get their own mapping (it replaces
 # ``memory.step_mmap_threshold``, which picks 32 MB wherever THP is on); ``trim_threshold``: free
 # memory at a heap's top that glibc keeps rather than returning it (unset: 128 KB, glibc's own).
 ARMS: dict[str, dict] = {
     BASELINE: {"env": {}, "step_mmap_threshold": 256 * 1024},
+    **{
+        f"block cache {megabytes} MB{' (the default)' if megabytes == 512 else ''}": {
+            "env": {"COOKBOOK_BLOCK_CACHE": "1", "COOKBOOK_BLOCK_CACHE_MB": str(megabytes)},
+            "step_mmap_threshold": 256 * 1024,
+        }
+        for megabytes in (256, 512, 1024)
+    },
     "THP for >= 2 MB": {"env": {"THP_MEM_ALLOC_ENABLE": "1"}, "step_mmap_threshold": 256 * 1024},
     "keep 1 GB free at the top": {"env": {}, "step_mmap_threshold": 256 * 1024, "trim_threshold": 1024 * MB},
     "map >= 1 MB": {"env": {}, "step_mmap_threshold": 1 * MB},

@@ -38,6 +38,7 @@ from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
 from cookbook_lib.generators.slot_batch import SlotDecodeBatch, fixed_shape_decode_supported
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 from cookbook_lib.generators.worker import WorkerGenerator
+from cookbook_lib.runtime.block_cache import install_block_cache
 from cookbook_lib.runtime.cpu_share import fit_threads
 from cookbook_lib.runtime.memory import release_memory
 from cookbook_lib.runtime.onednn_linear import onednn_linears
@@ -105,6 +106,8 @@ class HFGenerator(WorkerGenerator):
             model = model.to(device)
         self.model = model
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            install_block_cache()  # a decode step's logits and attention reuse pages already mapped
         self.max_batch_size = max_batch_size
         self.continuous_batching = continuous_batching
         self.stats = GeneratorStats()

@@ -36,6 +36,7 @@ from cookbook_lib.grpo.shared_prefix import (
 from cookbook_lib.grpo.tree_attention import SEGMENTS_KWARG, TreeSegments
 from cookbook_lib.grpo.tree_attention import install as install_tree_attention
 from cookbook_lib.rollout.episode import EndCause, TokenSequence
+from cookbook_lib.runtime.block_cache import install_block_cache
 from cookbook_lib.runtime.cpu_share import fit_threads
 from cookbook_lib.runtime.devices import Precision, autocast
 from cookbook_lib.runtime.memory import large_blocks_mapped, release_memory
@@ -128,6 +129,9 @@ class PolicyTrainer:
             trainable, lr=learning_rate, weight_decay=weight_decay, fused=_fused_adamw_works(trainable)
         )
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            # A step's freed activations are reused with their pages instead of faulting in again.
+            install_block_cache()
         # Default: float32 on the model's device, i.e. no autocast.
         self.precision = precision or Precision(self.device, torch.float32, torch.float32)
         # On a CPU, SDPA over a tree's segments (tree_attention) scores ~4x fewer pairs than the
