@@ -6,7 +6,9 @@
 ``DynamicLayer`` (transformers) concatenates every layer's cache each step; ``SlackLayer``
 (cookbook_lib/generators/kv_cache.py) writes into spare columns; the third arm adds
 ``onednn_linears`` (cookbook_lib.runtime.onednn_linear.py), which sends the linears to oneDNN
-instead of MKL: the two together are what ``HFGenerator`` runs on a CPU. The arms run the same
+instead of MKL: the two together are what ``HFGenerator`` runs on a CPU. The last arm is the
+sampling copy a bf16 run decodes with (``devices.sampling_copy``: bf16 weights and KV cache, the
+output layer in float32), what ``dtype="auto"`` picks on a CPU with native bf16. The arms run the same
 prompt and greedy tokens, alternating, and the bench prints the median step time of each, its
 ratio to the first and its largest logit difference from the first (0: the same numbers). It
 also times the step's matmuls alone, each of the model's weight shapes at these rows, through
@@ -26,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from cookbook_lib.generators import kv_cache
+from cookbook_lib.runtime.devices import Float32Head, Precision, sampling_copy
 from cookbook_lib.runtime.models import load_model
 from cookbook_lib.runtime.onednn_linear import onednn_linears
 
@@ -48,8 +51,8 @@ def decode(model, prompt_BT: torch.Tensor, make_cache, steps: int) -> tuple[floa
 
 def matmul_floor_ms(model, rows: int, linears_context: Callable, repeats: int = 10) -> float:
     """The step's ``F.linear`` calls alone on the real weights (median of ``repeats``), in ms."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(rows, m.in_features) for m in linears]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Float32Head)]
+    inputs = [torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype) for m in linears]
     times = []
     with torch.inference_mode(), linears_context():
         for _ in range(repeats):
@@ -73,11 +76,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = load_model().eval()
     prompt_BT = torch.randint(100, model.config.vocab_size - 100, (args.rows, args.prompt_tokens))
+    bf16 = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
     plain = contextlib.nullcontext
-    arms: dict[str, tuple[Callable, Callable]] = {  # name: (a new cache, the linears' context)
-        "concatenating (DynamicLayer)": (lambda: DynamicCache(config=model.config), plain),
-        "in place (SlackLayer)": (lambda: kv_cache.new_cache(model), plain),
-        "in place + oneDNN linears": (lambda: kv_cache.new_cache(model), lambda: onednn_linears("cpu")),
+
+    def onednn() -> contextlib.AbstractContextManager:
+        return onednn_linears("cpu")
+
+    arms: dict[str, tuple[torch.nn.Module, Callable, Callable]] = {  # name: (model, new cache, linears)
+        "concatenating (DynamicLayer)": (model, lambda: DynamicCache(config=model.config), plain),
+        "in place (SlackLayer)": (model, lambda: kv_cache.new_cache(model), plain),
+        "in place + oneDNN linears": (model, lambda: kv_cache.new_cache(model), onednn),
+        "in place, bf16 (head in float32)": (bf16, lambda: kv_cache.new_cache(bf16), plain),
     }
     threads = torch.get_num_threads()
     print(f"{args.rows} rows, {args.prompt_tokens}-token prompt, {args.steps} steps, {threads} threads")
@@ -85,9 +94,9 @@ def main() -> None:
     differences: dict[str, float] = {name: 0.0 for name in arms}
     for _ in range(args.rounds):
         logits = {}
-        for name, (make_cache, linears_context) in arms.items():
+        for name, (arm_model, make_cache, linears_context) in arms.items():
             with linears_context():
-                ms, logits[name] = decode(model, prompt_BT, make_cache, args.steps)
+                ms, logits[name] = decode(arm_model, prompt_BT, make_cache, args.steps)
             results[name].append(ms)
         first = next(iter(logits.values()))
         for name, rows in logits.items():
@@ -100,8 +109,12 @@ def main() -> None:
             f"{name:>30}: {ms:6.1f} ms per step, {ms / base:.2f}x, {args.rows * 1000 / ms:4.0f} tok/s,"
             f" max |dlogit| {differences[name]:.1e}"
         )
-    mkl, onednn = (matmul_floor_ms(model, args.rows, c) for c in (plain, lambda: onednn_linears("cpu")))
-    print(f"the step's matmuls alone: {mkl:.1f} ms through MKL, {onednn:.1f} ms through oneDNN")
+    mkl, onednn = (matmul_floor_ms(model, args.rows, c) for c in (plain, onednn))
+    bf16_floor = matmul_floor_ms(bf16, args.rows, plain)
+    print(
+        f"the step's matmuls alone: {mkl:.1f} ms through MKL, {onednn:.1f} ms through oneDNN (float32); "
+        f"{bf16_floor:.1f} ms in bf16 (head in float32)"
+    )
 
 
 if __name__ == "__main__":

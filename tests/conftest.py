@@ -12,6 +12,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # A fixed thread count: a count fitted to a shared machine's free cores (runtime.cpu_share) changes
 # float rounding, and the resume tests compare weights bit for bit. tests/test_cpu_share.py tests it.
 os.environ.setdefault("COOKBOOK_FIT_THREADS", "0")
+# dtype="auto" picks bf16 on a CPU whose bf16 matmuls measure faster (runtime.devices); the tests
+# compare log-probs, losses and resumed weights to float32's tolerances, on whatever CPU runs them,
+# so "auto" keeps float32 here. tests/test_cpu_probe.py tests the choice; the notebooks (run from
+# notebooks/, outside this folder) take the real default.
+os.environ.setdefault("COOKBOOK_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cookbook_lib.runtime import cpu_probe, onednn_linear
-from cookbook_lib.runtime.devices import resolve_precision
+from cookbook_lib.runtime.devices import AUTO_BF16_MIN_SPEEDUP, resolve_precision
 
 
 def test_the_probe_measures_a_positive_ratio_and_caches_it(tmp_path, monkeypatch):
@@ -22,6 +22,19 @@ def test_the_probe_measures_a_positive_ratio_and_caches_it(tmp_path, monkeypatch
 
     monkeypatch.setattr(cpu_probe, "measure_bf16_speedup", no_measuring)
     assert cpu_probe.bf16_speedup(tmp_path) == first
+
+
+def test_the_bf16_probe_times_one_thread_and_gives_the_count_back(monkeypatch):
+    seen: list[int] = []
+
+    def timed(dtype: torch.dtype) -> float:
+        seen.append(torch.get_num_threads())
+        return 2.0 if dtype is torch.float32 else 0.5
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_probe, "seconds_per_linear", timed)
+    assert cpu_probe.measure_bf16_speedup() == 4.0
+    assert seen == [1, 1] and torch.get_num_threads() == before
 
 
 def test_the_onednn_probe_has_its_own_entry(tmp_path):
@@ -51,7 +64,7 @@ def test_the_cache_keeps_the_newest_entries_and_survives_a_bad_file(tmp_path, mo
     assert cpu_probe.bf16_speedup(tmp_path) == 0.5
     entries = json.loads(path.read_text())
     assert len(entries) == cpu_probe.MAX_ENTRIES
-    assert next(reversed(entries)).startswith("bf16: this cpu")  # the newest is kept
+    assert next(reversed(entries)).startswith("bf16 (1 thread): this cpu")  # the newest is kept
 
 
 @pytest.mark.parametrize(("speedup", "says"), [(0.02, "lacks native bf16"), (4.4, "4.4x the float32 rate")])
@@ -66,4 +79,34 @@ def test_a_float32_cpu_run_pays_no_probe(monkeypatch):
 
     monkeypatch.setattr(cpu_probe, "bf16_speedup", probe)
     line = resolve_precision("cpu", "float32").describe()
-    assert "bf16" not in line and torch.float32 is resolve_precision("cpu", "auto").sample_dtype
+    assert "bf16" not in line and "auto" not in line
+    monkeypatch.setenv("COOKBOOK_CPU_BF16", "0")  # auto switched off: no probe either
+    assert torch.float32 is resolve_precision("cpu", "auto").sample_dtype
+
+
+@pytest.mark.parametrize(
+    ("speedup", "dtype", "says"),
+    [
+        (4.4, torch.bfloat16, "dtype auto: bf16 matmuls 4.4x the float32 rate on this CPU"),
+        (2.0, torch.bfloat16, "2.0x the float32 rate"),
+        (1.6, torch.float32, "dtype auto: float32, as bf16 matmuls run 1.6x its rate"),
+        (0.0207, torch.float32, "run 0.021x its rate"),
+    ],
+)
+def test_auto_on_a_cpu_picks_bf16_where_its_matmuls_measure_faster(monkeypatch, speedup, dtype, says):
+    monkeypatch.delenv("COOKBOOK_CPU_BF16", raising=False)
+    monkeypatch.setattr(cpu_probe, "bf16_speedup", lambda: speedup)
+    precision = resolve_precision("cpu", "auto")
+    assert precision.sample_dtype is dtype and precision.compute_dtype is dtype
+    assert precision.master_dtype is torch.float32  # the trained weights and AdamW stay float32
+    line = precision.describe()
+    assert line.startswith(f"device cpu; sampling in {str(dtype)[6:]}") and says in line
+    assert line.count("(") == 1  # one note: the auto choice's, not also the bf16 note
+
+
+def test_auto_on_the_real_probe_agrees_with_the_measured_rate(monkeypatch, tmp_path):
+    monkeypatch.delenv("COOKBOOK_CPU_BF16", raising=False)
+    monkeypatch.setenv("COOKBOOK_CACHE_DIR", str(tmp_path))
+    speedup = cpu_probe.bf16_speedup()
+    expected = torch.bfloat16 if speedup >= AUTO_BF16_MIN_SPEEDUP else torch.float32
+    assert resolve_precision("cpu", "auto").sample_dtype is expected

@@ -158,7 +158,8 @@ class GRPOConfig:
     dtype: DTypeName = "auto"
     """Precision policy: ``float32``; ``bfloat16`` (bf16 sampling, bf16 autocast training over float32
     weights); ``float16`` (fp16 sampling, fp32 training); ``auto``: bf16 on a GPU that has it, fp16 on
-    one that has not, float32 on a CPU (where bf16 costs exact importance ratios; see devices.py)."""
+    one that has not; on a CPU bf16 where its bf16 matmuls measure faster (native bf16), else float32
+    (``dtype="float32"`` keeps importance ratios exact; see devices.py)."""
     # --- async (max_steps_off_policy=None keeps lockstep) -----------------------------------
     max_steps_off_policy: int | None = _setting(
         None, at_least=0, note="None = lockstep; for async start with 1"

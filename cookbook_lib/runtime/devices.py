@@ -11,19 +11,20 @@ things:
 | ``bfloat16`` | bfloat16 | float32 | bfloat16 autocast |
 | ``float16`` | float16 | float32 | float32 (fp16 training would need loss scaling) |
 
-``auto`` is ``bfloat16`` on a GPU with bf16, ``float16`` on a GPU without it (Colab's T4), and
-``float32`` on a CPU. Why not bf16 on a CPU with native bf16 (AVX512-BF16, AMX), where it is
-faster (measured on 2 such cores with the embedded model: a bf16 matmul ~4.4x the fp32 rate, a
-full AdamW step on 8 x 256 tokens 4.8 s against 12.8 s, a 32-row decode step 82 ms against
-111 ms)? Because the sampler's and the trainer's log-probs of the same fresh tokens then differ:
-on the embedded model, mean |log ratio| 0.034, 99th percentile 0.18, max 0.43, even with both
-heads in float32 and even with a pure-bf16 trainer (the cached decode and the full forward round
-differently). A first PPO step would see importance ratios up to 1.4 on tokens sampled by the
-current policy. On a GPU that is the accepted price of bf16 (vLLM-based trainers pay it too); on
-a CPU float32 keeps the ratio at 1 (max |ratio - 1| ~2e-5) and ``dtype="bfloat16"`` is there for
-whoever wants the speed. That speed needs native bf16: a CPU without it (AVX2 only) emulates bf16
-matmuls at ~0.02x the fp32 rate, so a bf16 CPU run's first line says which kind of CPU it is on,
-measured once per CPU (``cpu_probe``). ``docs/benchmarks.md`` has the figures.
+``auto`` is ``bfloat16`` on a GPU with bf16, ``float16`` on a GPU without it (Colab's T4), and on a
+CPU whatever its matmuls measure faster: ``bfloat16`` where a short probe (``cpu_probe``, cached per
+CPU) finds bf16 matmuls at least :data:`AUTO_BF16_MIN_SPEEDUP` times the float32 rate (native bf16:
+AVX512-BF16, AMX), else ``float32`` (a CPU without native bf16, such as an AMD EPYC with AVX2 only,
+emulates bf16 matmuls at ~0.02x the float32 rate). The run's first line says which and why.
+
+What bf16 costs: the sampler's and the trainer's log-probs of the same fresh tokens differ by the
+rounding of two bf16 forwards of different shapes (a cached one-token decode against one full
+forward). On the embedded model, mean |log ratio| 0.034, 99th percentile 0.18, max 0.43, even with
+both heads in float32; float32 keeps the ratio at 1 (max |ratio - 1| ~2e-5). The clipped importance
+ratio absorbs it, as on every GPU (vLLM-based trainers pay it too), and the demo learns as well in
+bf16 as in float32 over several seeds on a CPU with AMX (``docs/benchmarks.md``), in less time.
+``dtype="float32"`` keeps exact ratios; ``COOKBOOK_CPU_BF16=0`` makes ``auto`` keep float32 on
+every CPU (the test suite sets it, so that its bit-for-bit comparisons hold on any CPU).
 
 The trainer keeps float32 master weights in every policy: an AdamW update of ``lr * ~1`` is far
 below bfloat16's resolution for weights of order 0.01-0.1, so pure-bf16 weights would drop most
@@ -40,7 +41,8 @@ any model loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import get_args
 
 import torch
@@ -49,6 +51,13 @@ from cookbook_lib.grpo.config import DEVICE_PATTERN, DTypeName
 
 DTYPES: tuple[str, ...] = get_args(DTypeName)
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+AUTO_BF16_MIN_SPEEDUP = 2.0
+"""``dtype="auto"`` picks bf16 on a CPU whose bf16 matmuls measure at least this many times the
+float32 rate: native bf16 measures 3.9-4.5x on two cores (AMX), emulated ~0.02x. Below 2x the
+casts and the inexact importance ratio would cost more than the matmuls save."""
+CPU_BF16_SWITCH = "COOKBOOK_CPU_BF16"
+"""Set to ``0``, ``dtype="auto"`` keeps float32 on every CPU (and pays no probe)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,8 @@ class Precision:
     """The trainer's autocast dtype; float32 means no autocast."""
     master_dtype: torch.dtype = torch.float32
     """The trained weights and the optimizer state (always float32; see the module doc)."""
+    auto_reason: str = field(default="", compare=False)
+    """Why ``dtype="auto"`` chose this precision on a CPU, for the run's first line; empty otherwise."""
 
     @property
     def autocast(self) -> bool:
@@ -74,6 +85,8 @@ class Precision:
             where += f" ({torch.cuda.get_device_name(self.device)})"
         sample, compute = _short(self.sample_dtype), _short(self.compute_dtype)
         line = f"device {where}; sampling in {sample}, training in {compute} with float32 weights"
+        if self.auto_reason:
+            return f"{line} ({self.auto_reason})"
         return line + self._cpu_bf16_note()
 
     def _cpu_bf16_note(self) -> str:
@@ -105,18 +118,34 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
+def cpu_auto_dtype() -> tuple[str, str]:
+    """What ``dtype="auto"`` picks on this CPU, and why in a few words (the run's first line)."""
+    if os.environ.get(CPU_BF16_SWITCH, "").strip() == "0":
+        return "float32", f"dtype auto: float32, as {CPU_BF16_SWITCH}=0 asks"
+    from cookbook_lib.runtime.cpu_probe import bf16_speedup  # a probe of a second at most, cached per CPU
+
+    speedup = bf16_speedup()
+    if speedup >= AUTO_BF16_MIN_SPEEDUP:
+        return "bfloat16", (
+            f"dtype auto: bf16 matmuls {speedup:.1f}x the float32 rate on this CPU; "
+            "dtype='float32' keeps importance ratios exact"
+        )
+    return "float32", f"dtype auto: float32, as bf16 matmuls run {speedup:.2g}x its rate on this CPU"
+
+
 def resolve_precision(device: str = "auto", dtype: str = "auto") -> Precision:
     """The precision policy for ``device`` and ``dtype`` (call :func:`precision_problems` first)."""
     where = resolve_device(device)
+    reason = ""
     if dtype == "auto":
         if where.type == "cuda":
             dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         else:
-            dtype = "float32"  # a CPU: see the module doc for why not bf16
+            dtype, reason = cpu_auto_dtype()  # measured: see the module doc
     sample = _TORCH_DTYPES[dtype]
     # float16 trains in float32: fp16 gradients underflow without a loss scaler.
     compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    return Precision(device=where, sample_dtype=sample, compute_dtype=compute)
+    return Precision(device=where, sample_dtype=sample, compute_dtype=compute, auto_reason=reason)
 
 
 def precision_problems(device: str, dtype: str) -> list[str]:
@@ -202,9 +231,17 @@ def sampling_copy(model: torch.nn.Module, precision: Precision) -> torch.nn.Modu
 
 
 def autocast(precision: Precision) -> torch.autocast:
-    """The trainer's forward context: bf16 autocast when the policy computes in bf16, else off."""
+    """The trainer's forward context: bf16 autocast when the policy computes in bf16, else off.
+
+    Without autocast's cache of cast weights: each weight is used once per forward (and once in
+    checkpointing's recomputation, a context of its own), so the cache saves no cast and would
+    hold a bf16 copy of every weight, 0.27 GB of the embedded model, at a step's peak.
+    """
     return torch.autocast(
-        device_type=precision.device.type, dtype=precision.compute_dtype, enabled=precision.autocast
+        device_type=precision.device.type,
+        dtype=precision.compute_dtype,
+        enabled=precision.autocast,
+        cache_enabled=False,
     )
 
 
@@ -214,6 +251,7 @@ __all__ = [
     "Precision",
     "autocast",
     "check_precision",
+    "cpu_auto_dtype",
     "precision_problems",
     "resolve_device",
     "resolve_precision",

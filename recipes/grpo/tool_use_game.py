@@ -112,6 +112,7 @@ def make_parser(doc: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument(
         "--lr", dest="learning_rate", metavar="LR", type=float, default=None, help="GRPO learning rate"
     )
+    parser.add_argument("--seed", type=int, default=None, help="seeds the warm-start, sampling and training")
     parser.add_argument("--small", action="store_true", help="a tiny run, to check the recipe works")
     add_device_flags(parser)  # dest = the GRPOConfig fields device, dtype
     return parser
