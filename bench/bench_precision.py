@@ -98,7 +98,7 @@ def learning_figures(metrics_path: Path) -> dict[str, object]:
 
 def report(results: dict[tuple[str, int], dict], seeds: list[int]) -> None:
     header = (
-        f"{'dtype':>9} {'seed':>4} | {'validation':>17} | {'train rew':>9} | {'ratio range':>15} | "
+        f"{'dtype':>9} {'seed':>4} | {'validation':>20} | {'train rew':>9} | {'ratio range':>15} | "
         f"{'clip':>6} | {'sampling s':>10} {'tok/s':>6} | {'training s':>10} | {'wall s':>7} | "
         f"{'sys/user':>8} | {'peak GB':>7}"
     )
@@ -111,7 +111,7 @@ def report(results: dict[tuple[str, int], dict], seeds: list[int]) -> None:
                 continue
             validation = " -> ".join(f"{v:.2f}" for v in r["validation"])
             print(
-                f"{dtype:>9} {seed:>4} | {validation:>17} | {r['train_reward_mean']:9.3f} | "
+                f"{dtype:>9} {seed:>4} | {validation:>20} | {r['train_reward_mean']:9.3f} | "
                 f"{r['ratio_min']:.4f}-{r['ratio_max']:.4f} | {r['clip_frac_mean']:6.4f} | "
                 f"{r['sampling_s']:10.1f} {r['sampled_tok_per_s']:6.1f} | {r['training_s']:10.1f} | "
                 f"{r['wall_s']:7.0f} | {r['system_s'] / r['user_s']:8.1%} | {r['peak_rss_gb']:7.2f}"
