@@ -8,12 +8,16 @@
 ``onednn_linears`` (cookbook_lib.runtime.onednn_linear.py), which sends the linears to oneDNN
 instead of MKL: the two together are what ``HFGenerator`` runs on a CPU. The last arm is the
 sampling copy a bf16 run decodes with (``devices.sampling_copy``: bf16 weights and KV cache, the
-output layer in float32), what ``dtype="auto"`` picks on a CPU with native bf16. The arms run the same
+output layer in float32), what ``dtype="auto"`` picks on a CPU with native bf16, first with plain
+weights, then with its linears prepacked for oneDNN (``runtime/packed_linear.py``), as a run's
+generator holds them. The arms run the same
 prompt and greedy tokens, alternating, and the bench prints the median step time of each, its
 ratio to the first and its largest logit difference from the first (0: the same numbers). It
 also times the step's matmuls alone, each of the model's weight shapes at these rows, through
-MKL and through oneDNN, as the floor a decode step stands on here. Timings on a shared machine
-are noisy: compare the ratios of one run.
+MKL and through oneDNN, and the machine's limit: the bytes a bf16 step must read (every weight
+once, the KV cache once) over this machine's measured read bandwidth; at 16 rows a decode step is
+bound by memory, not by the matmuls' arithmetic. Timings on a shared machine are noisy: compare
+the ratios of one run.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from cookbook_lib.generators import kv_cache
 from cookbook_lib.runtime.devices import Float32Head, Precision, sampling_copy
 from cookbook_lib.runtime.models import load_model
 from cookbook_lib.runtime.onednn_linear import onednn_linears
+from cookbook_lib.runtime.openmp_team import release_openmp_team
+from cookbook_lib.runtime.packed_linear import pack_linears
 
 
 def decode(model, prompt_BT: torch.Tensor, make_cache, steps: int) -> tuple[float, torch.Tensor]:
@@ -77,6 +83,9 @@ def main() -> None:
     model = load_model().eval()
     prompt_BT = torch.randint(100, model.config.vocab_size - 100, (args.rows, args.prompt_tokens))
     bf16 = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
+    packed = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
+    pack_linears(packed)
+    release_openmp_team()  # the copies' casts gave this thread a team; the steps below run here anyway
     plain = contextlib.nullcontext
 
     def onednn() -> contextlib.AbstractContextManager:
@@ -87,6 +96,7 @@ def main() -> None:
         "in place (SlackLayer)": (model, lambda: kv_cache.new_cache(model), plain),
         "in place + oneDNN linears": (model, lambda: kv_cache.new_cache(model), onednn),
         "in place, bf16 (head in float32)": (bf16, lambda: kv_cache.new_cache(bf16), plain),
+        "in place, bf16, packed": (packed, lambda: kv_cache.new_cache(packed), plain),
     }
     threads = torch.get_num_threads()
     print(f"{args.rows} rows, {args.prompt_tokens}-token prompt, {args.steps} steps, {threads} threads")
@@ -115,6 +125,31 @@ def main() -> None:
         f"the step's matmuls alone: {mkl:.1f} ms through MKL, {onednn:.1f} ms through oneDNN (float32); "
         f"{bf16_floor:.1f} ms in bf16 (head in float32)"
     )
+    weights = sum(t.numel() * t.element_size() for t in bf16.state_dict().values()) - (
+        bf16.get_input_embeddings().weight.numel() * 2  # looked up, not read whole
+    )
+    config = bf16.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    columns = args.prompt_tokens + args.steps // 2
+    kv = 2 * config.num_hidden_layers * args.rows * config.num_key_value_heads * columns * head_dim * 2
+    bandwidth = read_bandwidth_gbs()
+    limit = (weights + kv) / bandwidth / 1e6
+    print(
+        f"the machine's limit for a bf16 step: {weights / 1e6:.0f} MB of weights + {kv / 1e6:.0f} MB of "
+        f"KV cache at {bandwidth:.1f} GB/s read = {limit:.1f} ms ({args.rows * 1000 / limit:.0f} tok/s; "
+        f"{limit / medians[next(iter(medians))]:.2f}x the first arm)"
+    )
+
+
+def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """This machine's read bandwidth on all torch threads: a sum over a touched tensor (GB/s, best of)."""
+    data = torch.rand(megabytes * 1024 * 1024 // 4)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - started)
+    return data.numel() * 4 / min(times) / 1e9
 
 
 if __name__ == "__main__":

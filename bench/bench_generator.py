@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 from transformers import GenerationConfig
 
 from cookbook_lib.generators import HFGenerator, SamplingParams
+from cookbook_lib.runtime.devices import resolve_precision, sampling_copy
 from cookbook_lib.runtime.models import load_model, load_tokenizer
 
 QUESTIONS = [
@@ -104,15 +106,47 @@ def transformers_generate_batch(model, prompts: list[list[int]], config: Generat
     return sum(len(output.generated_tokens) for output in outputs.values())
 
 
-def hf_generator(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int) -> int:
+def hf_generator(
+    model, prompts: list[list[int]], new_tokens: int, pad_token_id: int, *, pack_weights: bool = False
+) -> int:
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
 
     async def main() -> int:
-        async with HFGenerator(model, pad_token_id=pad_token_id) as generator:
+        async with HFGenerator(model, pad_token_id=pad_token_id, pack_weights=pack_weights) as generator:
             results = await asyncio.gather(*(generator.sample(prompt, params) for prompt in prompts))
         return sum(len(result.tokens) for result in results)
 
     return asyncio.run(main())
+
+
+def decode_target(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int, rounds: int) -> None:
+    """Issue 20's decode target: what a run samples with now against a float32 padded ``generate``.
+
+    The run's sampling copy is ``devices.sampling_copy`` in the dtype ``dtype="auto"`` picks on this
+    CPU (bf16 where its bf16 matmuls measure >= 2x float32), with its linears packed as a run's own
+    copy is; a fresh copy each round, since packing replaces its layers.
+    """
+    precision = resolve_precision("cpu", "auto")
+    dtype = str(precision.sample_dtype).removeprefix("torch.")
+    config = sampling_config(new_tokens, pad_token_id)
+    arms: dict[str, Callable[[], int]] = {
+        "generate, padded batch, float32 (baseline)": lambda: padded_batch(model, prompts, config),
+        "HFGenerator, float32": lambda: hf_generator(model, prompts, new_tokens, pad_token_id),
+        f"HFGenerator, sampling copy ({dtype}), packed": lambda: hf_generator(
+            sampling_copy(model, precision), prompts, new_tokens, pad_token_id, pack_weights=True
+        ),
+    }
+    print(f"\n(g) decode target: {len(prompts)} prompts x {new_tokens} new tokens, {rounds} rounds")
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, run in arms.items():
+            seconds, tokens = timed(run)
+            rates[name].append(tokens / seconds)
+        print("  " + " | ".join(f"{rate[-1]:.1f}" for rate in rates.values()))
+    base = statistics.median(next(iter(rates.values())))
+    for name, rate in rates.items():
+        median = statistics.median(rate)
+        print(f"{name:58} {median:7.1f} tok/s  {median / base:5.2f}x")
 
 
 def two_turn_clients(
@@ -260,10 +294,17 @@ def main() -> None:
     )
     parser.add_argument("--prefix-only", action="store_true", help="run (f), prefix reuse, alone")
     parser.add_argument("--repeats", type=int, default=1, help="times to run each arm of (f)")
+    parser.add_argument("--decode-only", action="store_true", help="run (g), the decode target, alone")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (g)")
     args = parser.parse_args()
     count, new_tokens = (8, 16) if args.quick else (16, 64)
 
     model, tokenizer = load_model(), load_tokenizer()
+    if args.decode_only:
+        prompts = chat_prompts(tokenizer, count)
+        one_at_a_time(model, prompts[:1], sampling_config(4, tokenizer.pad_token_id))
+        decode_target(model, prompts, new_tokens, tokenizer.pad_token_id, args.rounds)
+        return
     if args.prefix_only:
         one_at_a_time(model, chat_prompts(tokenizer, 1), sampling_config(4, tokenizer.pad_token_id))
         prefix_reuse(model, tokenizer, 8 if args.quick else 16, 3 if args.quick else 4, 16, args.repeats)
@@ -304,6 +345,7 @@ def main() -> None:
         baseline = baseline or rate
         print(f"{name:48} {tokens:7d} {seconds:8.2f} {rate:9.1f} {rate / baseline:6.2f}x")
     prefix_reuse(model, tokenizer, 8 if args.quick else 16, 3 if args.quick else 4, 16, args.repeats)
+    decode_target(model, prompts, new_tokens, pad, args.rounds)
 
 
 if __name__ == "__main__":

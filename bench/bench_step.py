@@ -9,8 +9,9 @@
    the step's rollouts, its training on prefix trees) and reports sampled tokens, sampling tok/s
    and the step's own training time. Skipped when ``--episodes`` names a step's episodes.
 2. Training, side by side: the same step's samples (``build_samples`` exactly as the step built
-   them) train on a fresh copy of the same model with ``shared_prefix_training`` off (padded rows,
-   the baseline), on with the tree's dense block mask alone, and on with the tree's attention
+   them) train on a fresh copy of the same model on padded rows with the CPU block cache suspended
+   (the path issue 20 measured, the baseline), on padded rows with it
+   (``shared_prefix_training`` off), with the tree's dense block mask alone, and with the tree's attention
    segments (:mod:`cookbook_lib.grpo.tree_attention`, the default on a CPU), in turn,
    ``--repeats`` times each. Per arm: micro-batches, tokens forwarded, trainer seconds, user and
    system CPU seconds, minor page faults, the peak resident size during the step, and the loss
@@ -36,6 +37,7 @@ from cookbook_lib.grpo.lockstep import step_samples
 from cookbook_lib.grpo.loss_settings import LossSettings
 from cookbook_lib.grpo.train import make_trainer, train_multi_turn
 from cookbook_lib.rollout.records import read_episodes
+from cookbook_lib.runtime.block_cache import block_cache_suspended
 from cookbook_lib.runtime.devices import resolve_precision
 from cookbook_lib.runtime.memory import release_memory
 from cookbook_lib.runtime.models import load_model, load_tokenizer
@@ -91,6 +93,9 @@ def _peak_rss_gb() -> float:
 
 def train_arm(model_dir: Path, samples, config: GRPOConfig, arm: str) -> dict[str, float]:
     """One training step of ``samples`` on a fresh copy of the model; its cost and loss."""
+    if arm == BEFORE:  # the path issue 20 measured: padded rows, every large block faulted anew
+        with block_cache_suspended():
+            return train_arm(model_dir, samples, config, PADDED)
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir))
     shared = arm != PADDED
@@ -124,8 +129,9 @@ def train_arm(model_dir: Path, samples, config: GRPOConfig, arm: str) -> dict[st
     }
 
 
+BEFORE = "padded rows, no block cache"
 PADDED, TREES_DENSE, TREES_SEGMENTS = "padded rows", "prefix trees, dense mask", "prefix trees, segments"
-ARMS = (PADDED, TREES_DENSE, TREES_SEGMENTS)
+ARMS = (BEFORE, PADDED, TREES_DENSE, TREES_SEGMENTS)
 
 
 def samples_of_step(episodes_path: Path, config: GRPOConfig):
@@ -172,11 +178,11 @@ def main() -> None:
     print(f"\n| arm | {' | '.join(fields)} |\n| --- |{' ---: |' * len(fields)}")
     for arm in ARMS:
         print(f"| {arm} | " + " | ".join(f"{medians[arm][f]:.4g}" for f in fields) + " |")
-    old = medians[PADDED]
-    for arm in (TREES_DENSE, TREES_SEGMENTS):
+    old = medians[BEFORE]
+    for arm in (PADDED, TREES_DENSE, TREES_SEGMENTS):
         new = medians[arm]
         print(
-            f"\n{arm} / {PADDED}: tokens forwarded "
+            f"\n{arm} / {BEFORE}: tokens forwarded "
             f"{new['forwarded_tokens'] / old['forwarded_tokens']:.2f}x, "
             f"trainer time {new['trainer_s'] / old['trainer_s']:.2f}x, "
             f"system time {new['system_s'] / max(old['system_s'], 1e-9):.2f}x, "

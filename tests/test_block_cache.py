@@ -16,7 +16,10 @@ import torch
 
 from cookbook_lib.runtime import block_cache
 from cookbook_lib.runtime.block_cache import (
+    SLACK_BYTES,
+    block_cache_active,
     block_cache_stats,
+    block_cache_suspended,
     install_block_cache,
     release_block_cache,
     set_block_cache_limit,
@@ -37,7 +40,8 @@ def cache():
     assert install_block_cache(), "a Linux machine with a C++ compiler builds and installs the cache"
     release_block_cache()
     limit = block_cache_stats().limit_bytes
-    yield
+    with block_cache_active():  # as within a training step
+        yield
     set_block_cache_limit(limit)
     release_block_cache()
 
@@ -55,26 +59,64 @@ def test_a_freed_block_comes_back_to_the_next_allocation_of_about_its_size(cache
     assert block_cache_stats().hits == before + 1
     assert block_cache_stats().cached_bytes == 0
     del second
-    # Half the size takes it too, cut to size: its first 2 MB keep their pages, the rest is unmapped.
+    # Half the size, with room under the peak (plus slack) for a block of its own: a new block,
+    # and the 4 MB one waits for a request of its size.
     third = torch.empty(2 * MB, dtype=torch.uint8)
-    assert third.data_ptr() == address
-    assert block_cache_stats().cached_bytes == 0 and block_cache_stats().hits == before + 2
-    del third
-    assert block_cache_stats().cached_bytes == 2 * MB
+    assert third.data_ptr() != address
+    assert block_cache_stats().cached_bytes == 4 * MB and block_cache_stats().hits == before + 1
 
 
 @needs_compiler
-def test_a_miss_unmaps_cached_blocks_first_so_the_peak_stays_where_it_was(cache):
-    small = [torch.empty(MB, dtype=torch.uint8) for _ in range(3)]
+def test_without_room_under_the_peak_a_larger_cached_block_is_cut_to_size(cache):
+    big = 2 * SLACK_BYTES
+    first = torch.empty(big, dtype=torch.uint8)  # the live peak: 2 slacks
+    address = first.data_ptr()
+    del first
+    # A new block of 1.5 slacks beside the cached 2 would pass the peak by more than the slack:
+    # the cached block is cut to size instead, its first pages kept, the rest unmapped.
+    second = torch.empty(big * 3 // 4, dtype=torch.uint8)
+    assert second.data_ptr() == address
+    assert block_cache_stats().cached_bytes == 0
+    del second
+    assert block_cache_stats().cached_bytes == big * 3 // 4
+
+
+@needs_compiler
+def test_a_miss_unmaps_cached_blocks_until_the_peak_plus_slack_holds(cache):
+    piece = SLACK_BYTES // 2
+    small = [torch.empty(piece, dtype=torch.uint8) for _ in range(4)]  # live peak: 2 slacks
     del small
-    assert block_cache_stats().cached_bytes == 3 * MB
+    assert block_cache_stats().cached_bytes == 4 * piece
     misses = block_cache_stats().misses
-    large = torch.empty(2 * MB + MB // 2, dtype=torch.uint8)  # no cached block fits it
+    large = torch.empty(5 * piece // 2, dtype=torch.uint8)  # no cached block fits it
     stats = block_cache_stats()
     assert stats.misses == misses + 1
-    # 1 MB blocks unmapped until at least its 2.5 MB were: live + cached stays at 3 MB's pages
-    assert stats.cached_bytes == 0 and stats.live_bytes >= 2 * MB + MB // 2
+    # 4 cached + 2.5 new = 6.5 halves of a slack, over the peak's 4 + the slack's 2: one cached
+    # block goes, and live + cached stays within the peak plus the slack.
+    assert stats.cached_bytes == 3 * piece
+    assert stats.live_bytes + stats.cached_bytes <= 4 * piece + SLACK_BYTES
     del large
+
+
+@needs_compiler
+def test_blocks_of_a_few_repeating_sizes_stop_missing(cache):
+    """A decode step's sampling: 3 MB and 6 MB blocks, allocated and freed in the same order each step."""
+
+    def step() -> None:
+        logits = torch.empty(3 * MB, dtype=torch.uint8)
+        scaled = torch.empty(3 * MB, dtype=torch.uint8)
+        del logits
+        probabilities = torch.empty(6 * MB, dtype=torch.uint8)
+        cumulative = torch.empty(6 * MB, dtype=torch.uint8)
+        del scaled, probabilities
+        chosen = torch.empty(3 * MB, dtype=torch.uint8)
+        del cumulative, chosen
+
+    step()
+    misses = block_cache_stats().misses
+    for _ in range(5):
+        step()
+    assert block_cache_stats().misses == misses
 
 
 @needs_compiler
@@ -145,6 +187,36 @@ def test_threads_allocating_and_freeing_at_once_leave_the_accounts_even(cache):
         thread.join()
     assert not errors
     assert block_cache_stats().live_bytes == live
+
+
+@needs_compiler
+def test_outside_an_active_block_large_tensors_go_to_torchs_allocator_and_nothing_is_kept():
+    if os.environ.get(block_cache.SWITCH) == "0":
+        pytest.skip("COOKBOOK_BLOCK_CACHE=0 in this environment")
+    assert install_block_cache()
+    release_block_cache()
+    live = block_cache_stats().live_bytes
+    outside = torch.empty(2 * MB, dtype=torch.uint8)  # a decode step's logits, say
+    assert block_cache_stats().live_bytes == live
+    with block_cache_active(), block_cache_active():  # nested, as overlapping steps are
+        inside = torch.empty(2 * MB, dtype=torch.uint8)
+        assert block_cache_stats().live_bytes == live + 2 * MB
+    assert block_cache_stats().live_bytes == live + 2 * MB  # still alive after the step
+    del inside, outside  # freed after the last step ended: unmapped, not kept
+    stats = block_cache_stats()
+    assert stats.live_bytes == live and stats.cached_bytes == 0
+
+
+@needs_compiler
+def test_suspended_the_cache_serves_nothing_even_inside_a_step(cache):
+    live = block_cache_stats().live_bytes
+    with block_cache_suspended():
+        with block_cache_active():  # a training step of a bench's baseline arm
+            before = torch.empty(2 * MB, dtype=torch.uint8)
+            assert block_cache_stats().live_bytes == live
+    after = torch.empty(2 * MB, dtype=torch.uint8)  # the fixture's step goes on, served again
+    assert block_cache_stats().live_bytes == live + 2 * MB
+    del before, after
 
 
 @needs_compiler

@@ -286,6 +286,27 @@ def test_a_group_shares_the_batching_generator(generator, codec):
     assert generator.stats.max_rows > 1
 
 
+def test_an_ended_episode_leaves_no_kept_prefix_behind(generator, codec):
+    """Each turn's KV cache is kept for the episode's next turn; the last one is dropped when the
+    episode ends, not left to sit beside the next phase's caches."""
+    seen: list[int] = []
+
+    class Watching(ModelPolicy):
+        async def __call__(self, messages, tool_specs):
+            step = await super().__call__(messages, tool_specs)
+            seen.append(generator.num_cached_prefixes)  # this turn's cache, kept for the next
+            return step
+
+    async def main() -> int:
+        policy = Watching(generator, codec, SamplingParams(max_tokens=8, stop_token_ids=[]), 2048)
+        await run_episode(EndlessEnv(), TASK, policy, max_turns=3)
+        return await generator.run_on_worker(lambda: generator.num_cached_prefixes)
+
+    left = asyncio.run(main())
+    assert seen == [1, 1, 1]  # each turn took the previous turn's entry and left its own
+    assert left == 0
+
+
 def test_evaluate_writes_episodes_that_load_back(tiny_model_and_tokenizer, tmp_path):
     model, tokenizer = tiny_model_and_tokenizer
     tasks = load_tool_use_game_tasks("val")[:2]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
@@ -147,6 +147,12 @@ class Generator(abc.ABC):
         dead until newer ones push them out of the bound, and a training step or the next phase's
         caches would be allocated on top of them. Samples in flight are unaffected.
         """
+
+    def forget_prefix(self, tokens: Sequence[int]) -> None:  # noqa: B027 - optional, as above
+        """No turn will extend ``tokens`` (a prompt and all but the last token sampled for it):
+        drop the KV cache kept for them, if any. Called when an episode ends, so its last turn's
+        cache goes at once rather than staying to the end of the phase. Never blocks; may be
+        called from any thread."""
 
     async def __aenter__(self) -> Generator:
         return self

@@ -27,6 +27,7 @@ def make_generator(
     seed: int = 0,
     max_model_length: int | None = None,
     cuda_graphs: bool = True,
+    owns_model: bool = False,
 ) -> Generator:
     """A generator of ``backend`` that samples ``model``.
 
@@ -36,6 +37,9 @@ def make_generator(
     the first visible GPU and keeps no reference to ``model``). ``seed`` and ``max_model_length``
     size and seed the vLLM engine; the ``hf`` backend draws its seeds from torch's global RNG.
     ``cuda_graphs=False`` keeps the ``hf`` backend on its growing KV cache on CUDA as well.
+    ``owns_model=True`` says ``model`` is a copy only this generator uses: the ``hf`` backend may
+    then prepack its bf16 weights on a CPU (``HFGenerator(pack_weights=True)``), after which the
+    model samples but cannot be trained.
     """
     if backend == "hf":
         return HFGenerator(
@@ -43,6 +47,7 @@ def make_generator(
             pad_token_id=tokenizer.pad_token_id,
             step_callback=step_callback,
             fixed_shape_decode=None if cuda_graphs else False,
+            pack_weights=owns_model,
         )
     if backend == "vllm":
         return VLLMGenerator.from_model(

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from cookbook_lib.runtime.packed_linear import weight_shapes
+
 
 @dataclass(eq=False)
 class WeightUpdate:
@@ -58,12 +60,12 @@ def deliver(future: asyncio.Future, loop: asyncio.AbstractEventLoop, outcome: ob
 
 def check_state_dict(model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Reject a state dict that names weights the model lacks, or gives them other shapes."""
-    own = model.state_dict()
+    own = weight_shapes(model)  # packed linears (a sampling copy's) under their nn.Linear names
     unknown = sorted(set(state_dict) - set(own))
     if unknown:
         raise ValueError(f"update_weights got names the model does not have: {unknown[:5]}")
     for name, tensor in state_dict.items():
-        if tensor.shape != own[name].shape:
+        if tensor.shape != own[name]:
             raise ValueError(
-                f"update_weights: {name} has shape {tuple(tensor.shape)}, model has {own[name].shape}"
+                f"update_weights: {name} has shape {tuple(tensor.shape)}, model has {tuple(own[name])}"
             )

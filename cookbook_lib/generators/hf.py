@@ -18,9 +18,12 @@ cannot take new requests from concurrent asyncio callers or swap weights mid-fli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -38,10 +41,12 @@ from cookbook_lib.generators.prefix_cache import CachedPrefix, PrefixCache
 from cookbook_lib.generators.slot_batch import SlotDecodeBatch, fixed_shape_decode_supported
 from cookbook_lib.generators.stats import GeneratorStats, StepInfo, StepKind
 from cookbook_lib.generators.worker import WorkerGenerator
-from cookbook_lib.runtime.block_cache import install_block_cache
+from cookbook_lib.runtime.block_cache import block_cache_active, install_block_cache
 from cookbook_lib.runtime.cpu_share import fit_threads
 from cookbook_lib.runtime.memory import release_memory
 from cookbook_lib.runtime.onednn_linear import onednn_linears
+from cookbook_lib.runtime.openmp_team import release_openmp_team
+from cookbook_lib.runtime.packed_linear import load_weights, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,11 @@ class HFGenerator(WorkerGenerator):
             and its cache and attention allow it (full attention, sdpa or eager), since that is
             where it is faster; the CPU keeps the growing cache. True on a model that cannot
             raises ``ValueError`` with the reason. Both sample the same, up to float rounding.
+        pack_weights: on a CPU, swap the model's bf16 linear layers for ones whose weights are
+            prepacked for oneDNN (``runtime/packed_linear.py``): the same logits at the embedded
+            model's sizes, a 16-row decode step's linears in about half the time. The model can
+            then sample but not be trained, so pass True only for a copy the generator owns
+            (``train_multi_turn``'s sampling copy is one). Float32 layers stay as they are.
 
     Kept prefixes hold keys and values of the current weights: ``update_weights`` drops them all,
     and samples in flight during an update are not kept (their caches mix two versions).
@@ -99,6 +109,7 @@ class HFGenerator(WorkerGenerator):
         prefix_cache_entries: int = 64,
         prefix_cache_tokens: int | None = DEFAULT_PREFIX_CACHE_TOKENS,
         fixed_shape_decode: bool | None = None,
+        pack_weights: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -106,8 +117,6 @@ class HFGenerator(WorkerGenerator):
             model = model.to(device)
         self.model = model
         self.device = next(model.parameters()).device
-        if self.device.type == "cpu":
-            install_block_cache()  # a decode step's logits and attention reuse pages already mapped
         self.max_batch_size = max_batch_size
         self.continuous_batching = continuous_batching
         self.stats = GeneratorStats()
@@ -116,7 +125,17 @@ class HFGenerator(WorkerGenerator):
             output_embeddings.weight.shape[0] if output_embeddings is not None else model.config.vocab_size
         )
         self._step_callback = step_callback
+        if self.device.type == "cpu":
+            # A prefill's and a decode step's large tensors reuse freed blocks with their pages
+            # (runtime/block_cache): glibc's heap reused them too, but its holes kept the demo's
+            # resident peak 0.4 GB higher.
+            install_block_cache()
+        if pack_weights and self.device.type == "cpu":
+            pack_linears(model)  # after reading the head's shape above: a packed head has no .weight
         self._prefixes = PrefixCache(prefix_cache_entries, prefix_cache_tokens)  # worker thread only
+        # Keys of kept prefixes whose episodes ended (forget_prefix), from any thread; the worker
+        # drops them between two steps. A deque's append and popleft are atomic.
+        self._forgotten: deque[tuple[int, ...]] = deque()
         if not kv_cache.supports_reuse(model):
             self._prefixes.max_entries = 0
         keep = self._prefixes.max_entries > 0
@@ -179,12 +198,31 @@ class HFGenerator(WorkerGenerator):
         if self._thread is not None:  # a worker that never started kept nothing
             await self.run_on_worker(self._drop_prefixes)
 
+    def _submit(self, queue: Any, item: Any) -> None:
+        if self.device.type == "cpu":
+            # The caller's thread now waits on the worker. An idle OpenMP team of its own (it ran a
+            # parallel op: building this sampling copy does) would keep libgomp from spinning
+            # between the worker's ops: a bf16 decode step 88 ms instead of 52 (runtime/openmp_team).
+            release_openmp_team()
+        super()._submit(queue, item)
+
     # ---- the worker thread -------------------------------------------------------------------
 
     def _is_busy(self) -> bool:
         return bool(self._batch.rows)
 
+    def forget_prefix(self, tokens: Sequence[int]) -> None:
+        if self._prefixes.max_entries > 0:
+            self._forgotten.append(tuple(tokens))
+            with self._wake:  # an idle worker wakes to drop it; a busy one before its next step
+                self._wake.notify()
+
+    def _has_chores(self) -> bool:
+        return bool(self._forgotten)
+
     def _drop_cancelled(self) -> None:
+        while self._forgotten:
+            self._prefixes.drop(self._forgotten.popleft())
         self._retire(self._batch.remove([i for i, r in enumerate(self._batch.rows) if r.request.cancelled]))
 
     def _apply_control(self, control: WeightUpdate) -> None:
@@ -215,6 +253,10 @@ class HFGenerator(WorkerGenerator):
                 taken.append(request)
         return taken
 
+    def _blocks(self) -> contextlib.AbstractContextManager:
+        """Where this generator's large CPU tensors come from: the block cache on a CPU."""
+        return block_cache_active() if self.device.type == "cpu" else contextlib.nullcontext()
+
     def _drop_prefixes(self) -> None:
         if len(self._prefixes):
             self._prefixes.clear()
@@ -228,10 +270,7 @@ class HFGenerator(WorkerGenerator):
         for row in self._batch.rows:
             row.reusable = False
         try:
-            own = self.model.state_dict()  # tensors sharing storage with the parameters
-            with torch.no_grad():
-                for name, tensor in update.state_dict.items():
-                    own[name].copy_(tensor)
+            load_weights(self.model, update.state_dict)  # copied in place; packed linears repacked
             self._version = update.version
             deliver(update.future, update.loop, None)
         except Exception as exc:
@@ -251,7 +290,7 @@ class HFGenerator(WorkerGenerator):
         start = time.perf_counter()
         reused = sum(len(prefix) for prefix in prefixes if prefix is not None)
         try:
-            with torch.inference_mode(), onednn_linears(self.device):
+            with torch.inference_mode(), onednn_linears(self.device), self._blocks():
                 finished = self._batch.admit(requests, self._version, prefixes)
         except Exception as exc:  # e.g. out of memory: these requests fail, the running batch goes on
             for request in requests:
@@ -265,7 +304,7 @@ class HFGenerator(WorkerGenerator):
         fit_threads(self.device)  # a shared CPU's free cores, re-read once a second
         start, rows = time.perf_counter(), len(self._batch)
         try:
-            with torch.inference_mode(), onednn_linears(self.device):
+            with torch.inference_mode(), onednn_linears(self.device), self._blocks():
                 finished = self._batch.step(self._version)
         except Exception as exc:  # the cache may be half-updated: fail the whole batch
             for row in self._batch.clear():

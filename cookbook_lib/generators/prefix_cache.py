@@ -9,8 +9,9 @@ next turn prefill only the tokens after it: on a CPU, ~50 tokens instead of ~500
 What is kept is bounded: at most ``max_entries`` sequences and ``max_tokens`` tokens in all
 (``HFGenerator`` bounds both by default), least recently stored dropped first. An entry is taken out
 when a request reuses it: the episode has moved on, and a sequence is nearly always extended once.
-The last turn of an episode that ended is never taken; as the episodes still playing store newer
-entries, it is the first to go. Entries are valid for one set of weights only: ``HFGenerator``
+The last turn of an episode that ended is never taken: ``HFGenerator.forget_prefix`` drops it
+when the episode's policy says the episode is over, and otherwise, as the episodes still playing
+store newer entries, it is the first to go. Entries are valid for one set of weights only: ``HFGenerator``
 clears them when weights are updated.
 
 Only the worker thread touches a ``PrefixCache``; it takes no locks.
@@ -92,6 +93,10 @@ class PrefixCache:
                 if key in self._entries:
                     return self._pop(key)
         return None
+
+    def drop(self, tokens: tuple[int, ...]) -> bool:
+        """Drop the entry for exactly ``tokens`` (its episode ended); whether there was one."""
+        return self._pop(tokens) is not None
 
     def clear(self) -> None:
         self._entries.clear()

@@ -161,6 +161,7 @@ class _ReplicaActor:
             pad_token_id=pad_token_id,
             step_callback=self._steps.append,
             fixed_shape_decode=None if cuda_graphs else False,
+            pack_weights=True,  # the actor's own copy of the sampling model
         )
 
     def _drain(self) -> list[StepInfo]:

@@ -116,7 +116,9 @@ class WorkerGenerator(Generator, abc.ABC):
         try:
             while True:
                 with self._wake:
-                    while not (self._closed or self._queue or self._controls or self._is_busy()):
+                    while not (
+                        self._closed or self._queue or self._controls or self._is_busy() or self._has_chores()
+                    ):
                         self._wake.wait()
                     if self._closed:
                         return
@@ -165,9 +167,13 @@ class WorkerGenerator(Generator, abc.ABC):
     def _is_busy(self) -> bool:
         """Whether requests are running (read with the lock held, on the worker)."""
 
+    def _has_chores(self) -> bool:
+        """Whether the worker has bookkeeping to do before it sleeps (read with the lock held)."""
+        return False
+
     @abc.abstractmethod
     def _drop_cancelled(self) -> None:
-        """Stop the running requests whose callers cancelled."""
+        """Stop the running requests whose callers cancelled, and do the worker's chores."""
 
     @abc.abstractmethod
     def _apply_control(self, control: Any) -> None:

@@ -218,6 +218,7 @@ async def evaluate_async(
     if max_model_length < 2:
         raise ValueError(f"max_model_length must leave room for a prompt and a reply, got {max_model_length}")
     owned_generator = generator is None
+    owned_model = False  # a model evaluate loads itself, only its generator uses
     if generator is None or codec is None:
         if isinstance(model, str) or model is None:
             tokenizer = tokenizer or load_tokenizer(model)
@@ -227,6 +228,7 @@ async def evaluate_async(
             if generator is None:
                 precision = check_precision(device, dtype)  # before loading: a bad device fails fast
                 model = load_model(model, device=precision.device, dtype=precision.sample_dtype)
+                owned_model = True
             else:
                 model = None
         elif tokenizer is None:
@@ -235,7 +237,7 @@ async def evaluate_async(
             )
         codec = codec or make_codec(tokenizer, enable_thinking=enable_thinking)
         if generator is None:
-            generator = make_generator("hf", model, tokenizer)
+            generator = make_generator("hf", model, tokenizer, owns_model=owned_model)
     run_dir = Path(runs_dir) / (run_name or default_run_name("eval"))
     try:
         return await evaluate_policy_async(

@@ -66,6 +66,12 @@ class ModelPolicy(ContainedPolicy):
             + continuation.tokens
         )
 
+    def finish(self) -> None:
+        # The generator kept the last turn's KV cache (its prompt and all but its last sampled
+        # token) for a next turn that will not come: ~10-20 MB an episode on the embedded model.
+        if self._last_prompt is not None and self._last_sampled:
+            self.generator.forget_prefix(self._last_prompt + self._last_sampled[:-1])
+
     async def __call__(self, messages: list[Message], tool_specs: list[ToolSpec]) -> PolicyStep:
         prompt = self._next_prompt(messages, tool_specs)
         room = self.max_model_length - len(prompt)

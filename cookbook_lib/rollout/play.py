@@ -59,6 +59,10 @@ class ContainedPolicy:
 
     propagating_errors: ClassVar[tuple[type[Exception], ...]] = ()
 
+    def finish(self) -> None:
+        """The episode has ended (``run_episode`` calls this however it ended): let go of what only
+        a next turn would have used. Must not raise."""
+
 
 PolicyOutput = Union[Message, PolicyStep]  # noqa: UP007 - used at runtime in isinstance-free code
 Policy = Callable[[list[Message], list[ToolSpec]], Union[PolicyOutput, Awaitable[PolicyOutput]]]  # noqa: UP007
@@ -114,6 +118,8 @@ async def run_episode(
         await _play(env_instance, record, policy, max_turns, on_env_error, failed_parse_reward)
         return record
     finally:
+        if isinstance(policy, ContainedPolicy):
+            policy.finish()
         if env_instance is not None:
             await _close(env_instance, record, on_env_error)
         record.wall_time_s = time.perf_counter() - started

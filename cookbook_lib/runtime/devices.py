@@ -198,22 +198,35 @@ class Float32Head(torch.nn.Module):
     train/inference mismatch to the LM head and fixed it this way. The weight is float32 (a copy of
     the trained weights, updated with them), the matmul is float32, and it costs one
     ``[rows, hidden] x [hidden, vocab]`` product per step.
+
+    ``shared=True`` keeps the trained model's own float32 parameter instead of a copy (lockstep,
+    where nothing samples while it changes): 0.11 GB less for the embedded model, and the weight
+    update has nothing to copy for it.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, *, shared: bool = False) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(weight.detach().to(torch.float32).clone(), requires_grad=False)
+        self.shared = shared
+        if shared:
+            if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
+                raise ValueError("a shared head needs the trained model's float32 Parameter")
+            self.weight = weight
+        else:
+            self.weight = torch.nn.Parameter(weight.detach().to(torch.float32).clone(), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden.to(torch.float32), self.weight)
 
 
-def sampling_copy(model: torch.nn.Module, precision: Precision) -> torch.nn.Module:
+def sampling_copy(
+    model: torch.nn.Module, precision: Precision, *, share_head: bool = False
+) -> torch.nn.Module:
     """A copy of the trained ``model`` for a generator: in the sampling dtype, its head in float32.
 
     The head is taken from the float32 weights before the cast, so it is exact; it is untied from
     the (now low-precision) input embeddings, and ``update_weights`` fills both from the trainer's
-    state dict, where tied weights appear under both names.
+    state dict, where tied weights appear under both names. ``share_head=True`` (a float32 master
+    that changes only while nothing samples: lockstep) uses the master's head parameter itself.
     """
     import copy
 
@@ -221,7 +234,9 @@ def sampling_copy(model: torch.nn.Module, precision: Precision) -> torch.nn.Modu
     head = duplicate.get_output_embeddings()
     exact_head = None
     if precision.sample_dtype != torch.float32 and head is not None and getattr(head, "bias", None) is None:
-        exact_head = Float32Head(head.weight)
+        master = model.get_output_embeddings()
+        shareable = share_head and master is not None and master.weight.dtype == torch.float32
+        exact_head = Float32Head(master.weight, shared=True) if shareable else Float32Head(head.weight)
     duplicate = duplicate.to(precision.sample_dtype)
     if exact_head is not None:
         duplicate.set_output_embeddings(exact_head)

@@ -34,7 +34,7 @@ import gc
 import threading
 from collections.abc import Iterator
 
-from cookbook_lib.runtime.block_cache import release_block_cache
+from cookbook_lib.runtime.block_cache import block_cache_active, release_block_cache
 from cookbook_lib.runtime.huge_pages import huge_pages_requested
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
@@ -110,14 +110,16 @@ def large_blocks_mapped() -> Iterator[None]:
     global _steps_running
     mallopt = _mallopt()
     if mallopt is None:
-        yield
+        with block_cache_active():
+            yield
         return
     with _steps_lock:
         _steps_running += 1
         if _steps_running == 1:
             mallopt(_M_MMAP_THRESHOLD, step_mmap_threshold())
     try:
-        yield
+        with block_cache_active():  # where the trainer installed it: the step's blocks reuse pages
+            yield
     finally:
         with _steps_lock:
             _steps_running -= 1

@@ -1,0 +1,73 @@
+"""Letting go of a thread's idle OpenMP team (runtime/openmp_team.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from cookbook_lib.generators import HFGenerator, SamplingParams
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.openmp_team import _pause_function, release_openmp_team
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _pause_function() is None or torch.get_num_threads() < 2,
+    reason="needs Linux, an OpenMP runtime with omp_pause_resource_all and 2 torch threads",
+)
+
+
+def _threads() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/task")}
+
+
+def _build_team() -> set[int]:
+    """Run a parallel op on this thread; the helper threads its new OpenMP team started."""
+    before = _threads()
+    x = torch.randn(1024, 1024)
+    (x @ x).sum()
+    torch.ones(4_000_000).mul_(2)  # an elementwise op past torch's grain size: a parallel region
+    team = _threads() - before
+    assert team, "a parallel op on a 2-thread torch started no OpenMP helper thread"
+    return team
+
+
+def _in_fresh_thread(function):
+    """``function()`` in a thread of its own, so this test leaves the main thread's team alone."""
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=function()))
+    thread.start()
+    thread.join()
+    return outcome["result"]
+
+
+def test_releasing_ends_the_calling_threads_team_and_a_later_op_builds_another():
+    def scenario() -> tuple[bool, set[int], set[int], set[int]]:
+        team = _build_team()
+        released = release_openmp_team()
+        after = _threads()
+        return released, team, after, _build_team()
+
+    released, team, after, second_team = _in_fresh_thread(scenario)
+    assert released
+    assert not team & after  # its helper threads exited
+    assert second_team  # and the next parallel op works, with a new team
+
+
+def test_a_generators_caller_lets_go_of_its_team(sharp_model, tokenizer, prompts):
+    generator = HFGenerator(sharp_model, pad_token_id=tokenizer.pad_token_id)
+
+    def scenario() -> tuple[set[int], set[int]]:
+        team = _build_team()
+
+        async def sample() -> None:
+            async with generator:
+                await generator.sample(prompts[0], SamplingParams(temperature=0.0, max_tokens=2))
+
+        run_sync(sample())
+        return team, _threads()
+
+    team, after = _in_fresh_thread(scenario)
+    assert not team & after
