@@ -85,12 +85,14 @@ from recipes.grpo.tool_use_game import DEMO_TIERS, demo_config, demo_setup
 # %% [markdown]
 # The next cell holds the notebook's parameters (tagged `parameters`, so papermill can set them).
 # Run as it is, the notebook uses the recipe's demo sizes and tasks (GRPO on the tier-1 tasks, where
-# the warm-started model starts at about 0.35; see `docs/benchmarks.md`): 10-20 minutes on a
+# the warm-started model starts at about 0.35; see `docs/benchmarks.md`): 7-20 minutes on a
 # 2-core CPU (the same demo from the command line, measured: 11 minutes on a Xeon on 2026-12-01;
 # 10 minutes on an AMD EPYC on 2026-12-02, of which sampling 4.3 and training 1.7; 21 minutes on
 # 2026-12-03 on the same kind of EPYC VM, quiet but with page faults 2.6x as costly as before,
 # of which sampling 9.7 and training 3.1, at a 3.8 GB peak; on 2026-12-05, 10.4 minutes with the
-# install on a Xeon with AMX, where `dtype="auto"` picks bf16, at a 4.0 GB peak). The
+# install on a Xeon with AMX, where `dtype="auto"` picks bf16, at a 4.0 GB peak, and later that day
+# 6.7 minutes, 7.9 with the install, once its sampling ran at 75-84 tokens/s instead of 34, at a
+# 4.2 GB peak). The
 # test suite sets `COOKBOOK_SMALL=1`, which shrinks everything to one GRPO step on two short
 # episodes, to check that the notebook runs (it learns nothing in one step).
 

@@ -210,10 +210,9 @@ def test_outside_an_active_block_large_tensors_go_to_torchs_allocator_and_nothin
 @needs_compiler
 def test_suspended_the_cache_serves_nothing_even_inside_a_step(cache):
     live = block_cache_stats().live_bytes
-    with block_cache_suspended():
-        with block_cache_active():  # a training step of a bench's baseline arm
-            before = torch.empty(2 * MB, dtype=torch.uint8)
-            assert block_cache_stats().live_bytes == live
+    with block_cache_suspended(), block_cache_active():  # a training step of a bench's baseline arm
+        before = torch.empty(2 * MB, dtype=torch.uint8)
+        assert block_cache_stats().live_bytes == live
     after = torch.empty(2 * MB, dtype=torch.uint8)  # the fixture's step goes on, served again
     assert block_cache_stats().live_bytes == live + 2 * MB
     del before, after

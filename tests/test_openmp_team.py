@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.runtime.asyncio_utils import run_sync
-from cookbook_lib.runtime.openmp_team import _pause_function, release_openmp_team
+from cookbook_lib.runtime.openmp_team import _loaded_runtime, _pause_function, release_openmp_team
+
+# sentencepiece's wheel maps a libgomp of its own, before torch's in /proc/self/maps (as in the
+# full suite): the runtime paused must still be torch's.
+with contextlib.suppress(ImportError):
+    import sentencepiece  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or _pause_function() is None or torch.get_num_threads() < 2,
@@ -37,10 +44,27 @@ def _build_team() -> set[int]:
 def _in_fresh_thread(function):
     """``function()`` in a thread of its own, so this test leaves the main thread's team alone."""
     outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=function()))
+
+    def target() -> None:
+        try:
+            outcome["result"] = function()
+        except BaseException as exc:  # re-raised here, with its own message
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
     thread.start()
     thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
     return outcome["result"]
+
+
+def test_the_runtime_paused_is_torchs_own_when_torch_ships_one():
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    shipped = [p for p in torch_lib.iterdir() if p.name.startswith(("libgomp", "libomp", "libiomp5"))]
+    if not shipped:
+        pytest.skip("this torch build links the environment's OpenMP runtime")
+    assert _loaded_runtime().resolve().parent == torch_lib
 
 
 def test_releasing_ends_the_calling_threads_team_and_a_later_op_builds_another():

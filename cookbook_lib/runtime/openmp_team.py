@@ -28,24 +28,37 @@ _RUNTIME_NAMES = ("libgomp", "libomp", "libiomp5")
 
 
 def _loaded_runtime() -> Path | None:
-    """The OpenMP runtime this process has mapped (torch's own copy), read from /proc/self/maps."""
+    """The OpenMP runtime torch computes with, among those this process has mapped (/proc/self/maps).
+
+    Other packages may map a runtime of their own (the system's libgomp): pausing that one would
+    free nothing of torch's teams. So torch's own copy (a pip wheel ships it in ``torch/lib``) comes
+    first, then one beside torch's libraries (a conda environment's ``lib``), then any.
+    """
+    import torch
+
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
+    mapped = []
     for line in maps.splitlines():
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        if any(Path(path).name.startswith(name) for name in _RUNTIME_NAMES):
-            return Path(path)
-    return None
+        fields = line.split(maxsplit=5)
+        path = Path(fields[5]) if len(fields) == 6 else None
+        if path is not None and any(path.name.startswith(name) for name in _RUNTIME_NAMES):
+            mapped.append(path)
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    environment_lib = Path(sys.prefix) / "lib"
+    for preferred in (torch_lib, environment_lib):
+        for path in mapped:
+            if path.resolve().parent == preferred.resolve():
+                return path
+    return mapped[0] if mapped else None
 
 
 @functools.cache
 def _pause_function() -> Callable[[int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
-    import torch  # noqa: F401  (maps torch's OpenMP runtime, if any)
-
     runtime = _loaded_runtime()
     if runtime is None:
         return None
