@@ -92,10 +92,11 @@ from recipes.grpo.tool_use_game_async import async_demo_config
 # %% [markdown]
 # The next cell holds the notebook's parameters (tagged `parameters`, so papermill can set them).
 # Run as it is, the notebook trains two runs of four steps (async and lockstep) and three runs of
-# two steps (one per weight-sync mode): about 22 minutes on a 2-core CPU where Ray is not installed
-# (21:39 measured on 2026-12-03 through `jupyter nbconvert --execute` on an AMD EPYC VM, the kernel
-# process at 5.0 GB resident at its peak; the last section, which runs only with Ray, adds a run of its
-# own with a model copy per actor, and was not timed then). The test suite sets
+# two steps (one per weight-sync mode): 9-22 minutes on a 2-core CPU (8:57 on 2026-12-05 through
+# `jupyter nbconvert --execute` on a Xeon with AMX, in bf16, the Ray section included, the kernel
+# process at 4.8 GB resident at its peak; 21:39 on 2026-12-03 on an AMD EPYC VM in float32 without
+# Ray, at 5.0 GB; the last section, which runs only with Ray, adds a run of its own with a model
+# copy per actor). The test suite sets
 # `COOKBOOK_SMALL=1`, which shrinks everything to one or two steps of two short episodes, to check
 # that the notebook runs; the small runs learn nothing, and their timelines are mostly start-up.
 
