@@ -15,9 +15,9 @@ prompt and greedy tokens, alternating, and the bench prints the median step time
 ratio to the first and its largest logit difference from the first (0: the same numbers). It
 also times the step's matmuls alone, each of the model's weight shapes at these rows, through
 MKL and through oneDNN, and the machine's limit: the bytes a bf16 step must read (every weight
-once, the KV cache once) over this machine's measured read bandwidth; at 16 rows a decode step is
-bound by memory, not by the matmuls' arithmetic. Timings on a shared machine are noisy: compare
-the ratios of one run.
+once, the KV cache once) over this machine's measured streaming read rate: at 16 rows the
+floor is that memory traffic, not the matmuls' arithmetic. Timings on a shared machine are noisy:
+compare the ratios of one run.
 """
 
 from __future__ import annotations
