@@ -198,6 +198,12 @@ class HFGenerator(WorkerGenerator):
         if self._thread is not None:  # a worker that never started kept nothing
             await self.run_on_worker(self._drop_prefixes)
 
+    def forget_prefix(self, tokens: Sequence[int]) -> None:
+        if self._prefixes.max_entries > 0:
+            self._forgotten.append(tuple(tokens))
+            with self._wake:  # an idle worker wakes to drop it; a busy one before its next step
+                self._wake.notify()
+
     def _submit(self, queue: Any, item: Any) -> None:
         if self.device.type == "cpu":
             # The caller's thread now waits on the worker. An idle OpenMP team of its own (it ran a
@@ -210,12 +216,6 @@ class HFGenerator(WorkerGenerator):
 
     def _is_busy(self) -> bool:
         return bool(self._batch.rows)
-
-    def forget_prefix(self, tokens: Sequence[int]) -> None:
-        if self._prefixes.max_entries > 0:
-            self._forgotten.append(tuple(tokens))
-            with self._wake:  # an idle worker wakes to drop it; a busy one before its next step
-                self._wake.notify()
 
     def _has_chores(self) -> bool:
         return bool(self._forgotten)

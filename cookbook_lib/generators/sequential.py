@@ -28,6 +28,7 @@ from cookbook_lib.generators.base import (
     validate_prompt,
 )
 from cookbook_lib.generators.handoff import check_state_dict
+from cookbook_lib.runtime.packed_linear import load_weights
 
 
 @dataclass(eq=False)
@@ -88,12 +89,10 @@ class SequentialHFGenerator(Generator):
     ) -> None:
         # One request at a time under the model lock: every update already lands between requests.
         check_state_dict(self.model, state_dict)
-        own = self.model.state_dict()  # tensors sharing storage with the parameters
 
         def load() -> None:
-            with self._model_lock, torch.no_grad():
-                for name, tensor in state_dict.items():
-                    own[name].copy_(tensor)
+            with self._model_lock:
+                load_weights(self.model, state_dict)  # copied in place, as HFGenerator's are
                 self._version = version
 
         await asyncio.to_thread(load)

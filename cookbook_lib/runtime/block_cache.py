@@ -184,53 +184,43 @@ def block_cache_installed() -> bool:
 
 
 _active_lock = threading.Lock()
-_active_depth = 0
-_suspended_depth = 0
+_depths = {"active": 0, "suspended": 0}  # how many of each context are open, over all threads
 
 
 @contextlib.contextmanager
-def block_cache_active() -> Iterator[None]:
+def _counted(kind: str) -> Iterator[None]:
+    """Counts one open ``kind`` context; the cache serves while some are active and none suspended."""
+    library = _library() if block_cache_installed() else None
+    if library is None:
+        yield
+        return
+
+    def change(by: int) -> None:
+        with _active_lock:
+            _depths[kind] += by
+            library.cookbook_block_cache_set_active(int(_depths["active"] > 0 and _depths["suspended"] == 0))
+
+    change(+1)
+    try:
+        yield
+    finally:
+        change(-1)
+
+
+def block_cache_active() -> contextlib.AbstractContextManager:
     """Within the block, large CPU tensors come from the cache (where it is installed).
 
     Blocks may nest and overlap on several threads: the cache serves until the last one ends.
     Blocks freed after that are unmapped at once, not cached; what waits stays until
     :func:`release_block_cache`.
     """
-    global _active_depth
-    library = _library() if block_cache_installed() else None
-    if library is None:
-        yield
-        return
-    with _active_lock:
-        _active_depth += 1
-        library.cookbook_block_cache_set_active(int(_suspended_depth == 0))
-    try:
-        yield
-    finally:
-        with _active_lock:
-            _active_depth -= 1
-            if _active_depth == 0:
-                library.cookbook_block_cache_set_active(0)
+    return _counted("active")
 
 
-@contextlib.contextmanager
-def block_cache_suspended() -> Iterator[None]:
+def block_cache_suspended() -> contextlib.AbstractContextManager:
     """Within the block the cache serves nothing, training steps included: allocation as before it
     (a bench's baseline arm, in the same process as the arms that use it)."""
-    global _suspended_depth
-    library = _library() if block_cache_installed() else None
-    if library is None:
-        yield
-        return
-    with _active_lock:
-        _suspended_depth += 1
-        library.cookbook_block_cache_set_active(0)
-    try:
-        yield
-    finally:
-        with _active_lock:
-            _suspended_depth -= 1
-            library.cookbook_block_cache_set_active(int(_active_depth > 0 and _suspended_depth == 0))
+    return _counted("suspended")
 
 
 def release_block_cache() -> int:
