@@ -9,8 +9,8 @@
 instead of MKL: the two together are what ``HFGenerator`` runs on a CPU. The last arm is the
 sampling copy a bf16 run decodes with (``devices.sampling_copy``: bf16 weights and KV cache, the
 output layer in float32), what ``dtype="auto"`` picks on a CPU with native bf16, first with plain
-weights, then with its linears prepacked for oneDNN (``runtime/packed_linear.py``), as a run's
-generator holds them. The arms run the same
+weights, then with its linears prepacked for oneDNN (``runtime/packed_linear.py``) one by one,
+then with a layer's q/k/v and gate/up projections packed together, as a run's generator holds them. The arms run the same
 prompt and greedy tokens, alternating, and the bench prints the median step time of each, its
 ratio to the first and its largest logit difference from the first (0: the same numbers). It
 also times the step's matmuls alone, each of the model's weight shapes at these rows, through
@@ -84,7 +84,9 @@ def main() -> None:
     prompt_BT = torch.randint(100, model.config.vocab_size - 100, (args.rows, args.prompt_tokens))
     bf16 = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
     packed = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
-    pack_linears(packed)
+    pack_linears(packed, group=False)
+    grouped = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
+    pack_linears(grouped)
     release_openmp_team()  # the copies' casts gave this thread a team; the steps below run here anyway
     plain = contextlib.nullcontext
 
@@ -97,6 +99,7 @@ def main() -> None:
         "in place + oneDNN linears": (model, lambda: kv_cache.new_cache(model), onednn),
         "in place, bf16 (head in float32)": (bf16, lambda: kv_cache.new_cache(bf16), plain),
         "in place, bf16, packed": (packed, lambda: kv_cache.new_cache(packed), plain),
+        "bf16, packed, grouped": (grouped, lambda: kv_cache.new_cache(grouped), plain),
     }
     threads = torch.get_num_threads()
     print(f"{args.rows} rows, {args.prompt_tokens}-token prompt, {args.steps} steps, {threads} threads")

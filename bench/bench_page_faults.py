@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 MB = 1024 * 1024
+ONEDNN_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # runtime/onednn_caches.py
 BASELINE = "4 KB pages, map >= 256 KB, no block cache (session 13)"
 # Each arm: environment variables for torch, and glibc malloc's thresholds within a step.
 # ``step_mmap_threshold``: blocks of that size or more get their own mapping (it replaces
@@ -54,6 +55,16 @@ ARMS: dict[str, dict] = {
             "step_mmap_threshold": 256 * 1024,
         }
         for megabytes in (256, 512, 1024)
+    },
+    # oneDNN's kernel caches at their own default of 1,024 entries each, as before session 24
+    # (runtime/onednn_caches.py bounds them to 64 from the package's import on).
+    "block cache 512 MB, oneDNN caches of 1024": {
+        "env": {
+            "COOKBOOK_BLOCK_CACHE": "1",
+            "COOKBOOK_BLOCK_CACHE_MB": "512",
+            **dict.fromkeys(ONEDNN_CACHES, "1024"),
+        },
+        "step_mmap_threshold": 256 * 1024,
     },
     "THP for >= 2 MB": {"env": {"THP_MEM_ALLOC_ENABLE": "1"}, "step_mmap_threshold": 256 * 1024},
     "keep 1 GB free at the top": {"env": {}, "step_mmap_threshold": 256 * 1024, "trim_threshold": 1024 * MB},
@@ -103,8 +114,10 @@ def child(episodes: Path, model: Path, arm: dict) -> None:
 
 
 def run_arm(name: str, episodes: Path, model: Path) -> dict[str, float]:
-    env = {**os.environ, **ARMS[name]["env"]}
-    for variable in {v for arm in ARMS.values() for v in arm["env"]} - ARMS[name]["env"].keys():
+    env = {variable: value for variable, value in os.environ.items() if variable not in ONEDNN_CACHES}
+    env.update(ARMS[name]["env"])  # oneDNN's caches: the arm's capacity, else the library's
+    switches = {v for arm in ARMS.values() for v in arm["env"]} - set(ONEDNN_CACHES)
+    for variable in switches - ARMS[name]["env"].keys():
         env[variable] = "0"  # off, whatever the shell set (and cookbook_lib's import would set)
     command = [sys.executable, __file__, "--child", json.dumps(ARMS[name])]
     command += ["--episodes", str(episodes), "--model", str(model)]

@@ -14,6 +14,7 @@ from cookbook_lib.runtime.asyncio_utils import run_sync
 from cookbook_lib.runtime.devices import Float32Head, Precision, sampling_copy
 from cookbook_lib.runtime.packed_linear import (
     PackedLinear,
+    PackedPart,
     load_weights,
     pack_linears,
     packed_layers,
@@ -172,3 +173,85 @@ def test_a_lockstep_copy_shares_the_trained_float32_head_and_leaves_it_unpacked(
     torch.testing.assert_close(
         _logits(shared, prompts[1]), 2 * _logits(own, prompts[1]), rtol=1e-4, atol=1e-4
     )
+
+
+class _Attention(torch.nn.Module):
+    """Projections named as a decoder layer's, called as its forward calls them (on the same input)."""
+
+    def __init__(self, width: int = 576, kv: int = 192, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(width, width, bias=bias)
+        self.k_proj = torch.nn.Linear(width, kv, bias=bias)
+        self.v_proj = torch.nn.Linear(width, kv, bias=bias)
+        self.o_proj = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(q + torch.cat([k, v, k], dim=-1))
+
+
+def _attention(bias: bool = False, seed: int = 0) -> _Attention:
+    torch.manual_seed(seed)
+    return _Attention(bias=bias).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_projections_of_one_input_are_packed_together_and_give_f_linears_numbers(rows):
+    plain = _attention(bias=True)
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed) == 4
+    q, k, v, o = packed.q_proj, packed.k_proj, packed.v_proj, packed.o_proj
+    assert isinstance(o, PackedLinear) and all(isinstance(p, PackedPart) for p in (q, k, v))
+    assert q.group is k.group is v.group and q.group.sizes == [576, 192, 192]
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    with torch.inference_mode():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(getattr(packed, name)(x), getattr(plain, name)(x)), name
+        assert torch.equal(packed(x), plain(x))
+    assert q.group._input is None  # every part took its slice: the group holds no output
+
+
+def test_a_group_reads_back_its_weights_exactly_and_takes_a_partial_update():
+    plain = _attention()
+    packed = copy.deepcopy(plain)
+    pack_linears(packed)
+    group = packed.q_proj.group
+    joined = torch.cat([plain.q_proj.weight, plain.k_proj.weight, plain.v_proj.weight])
+    assert torch.equal(group.unpacked(), joined)
+    new_key = torch.randn(192, 576)  # float32, as the trainer sends it
+    check_state_dict(packed, {"k_proj.weight": new_key})
+    load_weights(packed, {"k_proj.weight": new_key})
+    with torch.no_grad():
+        plain.k_proj.weight.copy_(new_key)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), plain(x))
+    with pytest.raises(ValueError, match="shape"):
+        packed.v_proj.load(torch.zeros(3, 5))
+
+
+def test_a_groups_biases_follow_a_weight_update():
+    plain, trained = _attention(bias=True, seed=0), _attention(bias=True, seed=1)
+    packed = copy.deepcopy(plain)
+    pack_linears(packed)
+    assert {"q_proj.bias", "k_proj.bias", "v_proj.bias"} <= set(packed.state_dict())  # names as before
+    load_weights(packed, trained.state_dict())
+    x = torch.randn(5, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), trained(x))
+        only_bias = {"v_proj.bias": torch.ones(192)}  # a bias alone reaches the joined one too
+        load_weights(packed, only_bias)
+        load_weights(trained, only_bias)
+        assert torch.equal(packed(x), trained(x))
+
+
+def test_a_part_called_on_another_input_computes_its_own_output():
+    plain = _attention()
+    packed = copy.deepcopy(plain)
+    pack_linears(packed)
+    first, second = (torch.randn(2, 576).to(torch.bfloat16) for _ in range(2))
+    with torch.inference_mode():
+        packed.q_proj(first)  # leaves k and v computed for `first`
+        assert torch.equal(packed.k_proj(second), plain.k_proj(second))
+        assert torch.equal(packed.q_proj(second), plain.q_proj(second))
+        assert torch.equal(packed.q_proj(second), plain.q_proj(second))  # taken twice: computed again
