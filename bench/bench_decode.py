@@ -9,13 +9,13 @@
 instead of MKL: the two together are what ``HFGenerator`` runs on a CPU. The last arm is the
 sampling copy a bf16 run decodes with (``devices.sampling_copy``: bf16 weights and KV cache, the
 output layer in float32), what ``dtype="auto"`` picks on a CPU with native bf16, first with plain
-weights, then with its linears prepacked for oneDNN (``runtime/packed_linear.py``) one by one,
-then with a layer's q/k/v and gate/up projections packed together, as a run's generator holds them. The arms run the same
-prompt and greedy tokens, alternating, and the bench prints the median step time of each, its
-ratio to the first and its largest logit difference from the first (0: the same numbers). It
-also times the step's matmuls alone, each of the model's weight shapes at these rows, through
-MKL and through oneDNN, and the machine's limit: the bytes a bf16 step must read (every weight
-once, the KV cache once) over this machine's measured streaming read rate: at 16 rows the
+weights, then with its linears prepacked for oneDNN (``runtime/packed_linear.py``) one by one, then
+with a layer's q/k/v and gate/up projections packed together, as a run's generator holds them. The
+arms run the same prompt and greedy tokens, alternating, and the bench prints the median step time
+of each, its ratio to the first and its largest logit difference from the first (0: the same
+numbers). It also times the step's matmuls alone, each of the model's weight shapes at these rows,
+through MKL and through oneDNN, and the machine's limit: the bytes a bf16 step must read (every
+weight once, the KV cache once) over this machine's measured streaming read rate: at 16 rows the
 floor is that memory traffic, not the matmuls' arithmetic. Timings on a shared machine are noisy:
 compare the ratios of one run.
 """
