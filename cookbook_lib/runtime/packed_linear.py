@@ -141,12 +141,10 @@ class PackedGroup:
             expected = (self.sizes[index], self.in_features)
             if tuple(weight.shape) != expected:
                 raise ValueError(f"a weight of shape {tuple(weight.shape)} for a {expected} layer")
-        if len(weights) == len(self.sizes):
-            parts = [weights[i].to(device="cpu", dtype=self.dtype) for i in range(len(self.sizes))]
-        else:  # a partial update: the parts not in it as they are now
-            kept = self.unpacked().split(self.sizes)
-            parts = [weights.get(i, kept[i]).to(device="cpu", dtype=self.dtype) for i in range(len(kept))]
-        joined = torch.cat(parts)
+        # A partial update keeps the parts not in it as they are now.
+        kept = self.unpacked().split(self.sizes) if len(weights) < len(self.sizes) else None
+        parts = [weights[i] if i in weights else kept[i] for i in range(len(self.sizes))]
+        joined = torch.cat([part.to(device="cpu", dtype=self.dtype) for part in parts])
         del parts
         self.packed = None  # the old packing goes first, as in PackedLinear.load
         self.packed = _pack(joined)
@@ -236,17 +234,17 @@ def pack_linears(model: torch.nn.Module, group: bool = True) -> int:
     swapped = 0
     for parent in list(model.modules()):
         children = {name: child for name, child in parent.named_children() if _packable(child)}
+        swapped += len(children)
         with torch.no_grad():
             for names in GROUPS if group else ():
                 linears = [children.get(name) for name in names]
                 if _groupable(linears):
-                    group = PackedGroup(linears)
+                    shared = PackedGroup(linears)
                     for index, name in enumerate(names):
-                        setattr(parent, name, PackedPart(group, index))
+                        setattr(parent, name, PackedPart(shared, index))
                         del children[name]
             for name, child in children.items():
                 setattr(parent, name, PackedLinear(child))
-        swapped += sum(isinstance(c, PackedLinear | PackedPart) for c in parent.children())
     return swapped
 
 
@@ -290,6 +288,7 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor])
             elif own[name].data_ptr() != tensor.data_ptr():  # not the trained weight itself (a shared head)
                 own[name].copy_(tensor)
         for group, weights in groups.items():
-            group.load(weights)
-        for group in {layer.group for layer in packed.values() if isinstance(layer, PackedPart)}:
+            group.load(weights)  # joins its biases again too
+        every_group = {layer.group for layer in packed.values() if isinstance(layer, PackedPart)}
+        for group in every_group - groups.keys():
             group.refresh_bias()  # a bias may have been copied without its weight
