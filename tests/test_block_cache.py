@@ -289,3 +289,28 @@ def test_training_steps_give_the_same_weights_bit_for_bit_with_and_without_the_c
     assert on["hits"] > 0  # the steps' activations and logits reused cached blocks
     assert on["losses"] == off["losses"]
     assert on["weights"] == off["weights"]
+
+
+@needs_compiler
+def test_a_repeated_prefill_of_many_block_sizes_takes_every_block_from_the_cache(cache):
+    # A prefill's layers each allocate blocks of several sizes (the embedded model's 16 x 419-token
+    # forward: ~20 sizes from 1.3 to 41 MB) and free them before the next layer, while each layer's
+    # keys and values stay. With 32 MB of slack, misses evicted the large blocks the next layer
+    # wanted again, and the second identical prefill faulted 2.3 GB (docs/benchmarks.md, session 25).
+    sizes_mb = (41, 20, 15, 13, 8, 4, 3)
+
+    def prefill() -> list[torch.Tensor]:
+        kept = []
+        for _ in range(6):  # layers
+            previous = None
+            for size in sizes_mb:  # each op's output lives until the next op has read it
+                output = torch.empty(size * MB, dtype=torch.uint8)
+                previous = output
+            kept.append(torch.empty(2 * MB, dtype=torch.uint8))  # this layer's keys and values
+            del previous, output
+        return kept
+
+    prefill()  # its blocks, the kept ones too, wait in the cache afterwards
+    misses = block_cache_stats().misses
+    prefill()
+    assert block_cache_stats().misses == misses

@@ -66,7 +66,7 @@ THRESHOLD_BYTES = 256 * 1024
 # serve each other, and with no slack two of them missed (9 MB faulted) every step. A prefill
 # frees blocks of ~20 sizes layer after layer (its 16 x 419-token forward: ~1,000 blocks, 1.3 to
 # 41 MB): at 32 MB of slack a miss evicted the largest cached blocks, which the next layer needed,
-# and a repeated prefill still faulted 597k pages (2.3 GB); at 256 MB, 95 pages and 0.65x the time.
+# and a repeated prefill still faulted 597k pages (2.3 GB); at 256 MB, 95 pages.
 # The demo: system time 11.5% -> 8.8% of user, peak 3.18 -> 3.29 GB (docs/benchmarks.md, session 25).
 SLACK_BYTES = 256 * 1024 * 1024
 _BUILD_TIMEOUT_S = 300
