@@ -64,13 +64,58 @@ def test_surgery_on_a_growing_cache_gives_what_it_gives_on_a_concatenating_one(t
     assert kv_cache.supports_merging(cache) and type(reference.layers[0]) is DynamicLayer
 
 
-def test_a_view_that_is_not_a_buffers_leading_columns_has_no_spare_room():
+def test_a_view_of_a_buffers_leading_rows_keeps_the_room_after_its_columns():
     buffer = torch.zeros(2, 3, 20, 4)
     assert kv_cache._spare_columns(buffer[:, :, :12]) == 8
-    assert kv_cache._spare_columns(buffer[:, :, 2:12]) == 0  # its columns start past the buffer's
+    assert kv_cache._spare_columns(buffer[:, :, 2:12]) == 8  # leading columns dropped: the room after stays
     assert kv_cache._spare_columns(buffer[:1, :, :12]) == 8  # leading rows: room in each
-    assert kv_cache._spare_columns(buffer[1:, :, :12]) == 0
+    assert kv_cache._spare_columns(buffer[1:, :, :12]) == 0  # not the buffer's leading rows
+    assert kv_cache._spare_columns(buffer[:, 1:, :12]) == 0
+    assert kv_cache._spare_columns(buffer[:, :, :12, :2]) == 0
     assert kv_cache._spare_columns(torch.zeros(2, 3, 12, 4)) == 0
+
+
+def test_removed_rows_make_room_in_place_for_decode_steps_and_merged_rows(tiny_model_and_tokenizer):
+    """The surgery of continuous batching (rows finish, the padding they leave is dropped, new rows
+    join) on a growing cache: the same keys and values as a concatenating cache, in one buffer."""
+    model = tiny_model_and_tokenizer[0].eval()
+    ids = torch.randint(0, model.config.vocab_size, (7, 12), generator=torch.Generator().manual_seed(5))
+    results = []
+    for make in (lambda: kv_cache.new_cache(model), lambda: DynamicCache(config=model.config)):
+        cache, joining = make(), make()
+        forward(model, cache, ids[:5])
+        forward(model, cache, torch.full((5, 1), 9))
+        buffer = cache.layers[0].keys.untyped_storage().data_ptr()
+        keep = kv_cache.order_after_removing(5, [0, 3])
+        assert keep == [4, 1, 2]  # the last row takes the first one's place, rows 1 and 2 stay
+        kv_cache.select_rows(cache, torch.tensor(keep))
+        kv_cache.drop_leading_columns(cache, 3)  # padding no kept row attends to (as if)
+        forward(model, cache, torch.full((3, 1), 8))
+        forward(model, joining, ids[5:, :8])  # narrower than the running rows: left-padded
+        kv_cache.merge(cache, joining)
+        forward(model, cache, torch.full((5, 1), 7))
+        results.append((cache, buffer))
+    (cache, buffer), (reference, _) = results
+    assert_same(cache, reference)
+    # Two rows out, two in, all in the first buffer: nothing was gathered, regrown or restacked.
+    assert cache.layers[0].keys.untyped_storage().data_ptr() == buffer
+    assert cache.layers[0].keys.shape[:3] == reference.layers[0].keys.shape[:3] == (5, 2, 12)
+
+
+def test_a_merge_that_does_not_fit_the_buffer_stacks_both_and_repeating_rows_gather(tiny_model_and_tokenizer):
+    model = tiny_model_and_tokenizer[0].eval()
+    ids = torch.randint(0, model.config.vocab_size, (4, 10), generator=torch.Generator().manual_seed(6))
+    cache, reference = kv_cache.new_cache(model), DynamicCache(config=model.config)
+    for each in (cache, reference):
+        forward(model, each, ids[:2])
+        kv_cache.select_rows(each, torch.tensor([1, 1, 0]))  # repeats: a gather
+        joining = DynamicCache(config=model.config)
+        forward(model, joining, ids[2:3])  # as wide as the running rows, but no free row: new buffers
+        kv_cache.merge(each, joining)
+        forward(model, each, torch.full((4, 1), 3))
+    assert_same(cache, reference)
+    assert kv_cache.order_after_removing(4, [3]) == [0, 1, 2]
+    assert kv_cache.order_after_removing(4, [0, 1, 2]) == [3]
 
 
 def test_stacked_prefixes_take_the_next_forward_in_place_and_are_released_as_copied(tiny_model_and_tokenizer):

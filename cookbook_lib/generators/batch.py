@@ -318,6 +318,8 @@ class DecodeBatch(PrefillBatch):
             self.clear()
             return removed
         assert self._cache is not None
+        # Each removed row's place goes to one of the last rows: the cache moves those rows only.
+        keep = kv_cache.order_after_removing(len(self.rows), indices)
         index = torch.tensor(keep, device=self.device)
         kv_cache.select_rows(self._cache, index)
         self.rows = [self.rows[i] for i in keep]

@@ -62,14 +62,16 @@ class SlackLayer(DynamicLayer):
     one column. On the embedded model at 16 rows x ~450 columns that is ~300 MB copied per step,
     each layer's new tensor faulted in fresh from the OS: measured on a 2-core AMD EPYC, 100 of a
     step's 290 ms (on a 2-core Xeon, 4 of 72). Here a step writes its columns into the buffer's
-    spare ones, and only a step that finds no room copies, into a buffer ``SLACK_FRACTION`` larger
-    (at least ``MIN_SLACK_COLUMNS``): a copy every ~L/8 steps, for at most ~1/8 more cache memory.
+    spare ones, and only a step that finds no room copies, into a buffer with ``1/SLACK_FRACTION``
+    spare columns (at least ``MIN_SLACK_COLUMNS``) after them, and as many before them for wider
+    rows a merge adds: a copy every ~L/8 steps, for at most ~1/4 more cache memory.
 
-    The keys are ``buffer[:, :, :columns]``, so everything that reads them (attention, the row
-    and column surgery below) sees exactly the tensors it saw before. ``merge`` and ``stack_rows``
-    build such buffers too; whatever else replaced them with a tensor of its own (``select_rows``,
-    ``drop_leading_columns``) simply has no spare columns, and the next update copies it into a new
-    buffer.
+    The keys are a view of the buffer (``buffer[:rows, :, start:start + columns]``), so everything
+    that reads them (attention, the row and column surgery below) sees exactly the tensors it saw
+    before. ``merge`` and ``stack_rows`` build such buffers too, and the surgery keeps them: removing
+    rows moves the kept ones up within the buffer, dropping leading columns narrows the view, and a
+    merge writes new rows into rows and columns freed so. A tensor of another layout (a gather that
+    repeats rows) simply has no spare columns, and the next update copies it into a new buffer.
     """
 
     def update(
@@ -88,34 +90,68 @@ MIN_SLACK_COLUMNS = 32
 SLACK_FRACTION = 8  # spare columns: 1/8 of the columns in use
 
 
-def _spare_columns(tensor: torch.Tensor) -> int:
-    """How many columns past ``tensor``'s last one its storage holds for it (0 unless it is the
-    leading-columns view of a ``[rows, heads, capacity, head_dim]`` buffer)."""
+def _geometry(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(capacity, start, buffer_rows)`` when ``tensor`` is the columns ``start:start + columns`` of
+    the leading rows of a ``[buffer_rows, heads, capacity, head_dim]`` buffer, else None.
+
+    Every buffer this module makes has that layout; a view of one that drops leading columns
+    (``drop_leading_columns``) or trailing rows (``select_rows``) keeps it, with the columns after
+    its last one and the rows after its last one free for the next writes.
+    """
     rows, heads, columns, head_dim = tensor.shape
-    capacity = tensor.stride(1) // head_dim if head_dim else 0
+    if head_dim == 0 or heads == 0:
+        return None
+    capacity = tensor.stride(1) // head_dim
+    start, misaligned = divmod(tensor.storage_offset(), head_dim)
     layout = (heads * capacity * head_dim, capacity * head_dim, head_dim, 1)
-    if tensor.storage_offset() != 0 or tensor.stride() != layout or capacity <= columns:
-        return 0
-    if tensor.untyped_storage().nbytes() < rows * heads * capacity * head_dim * tensor.element_size():
-        return 0
-    return capacity - columns
+    if misaligned or tensor.stride() != layout or start + columns > capacity:
+        return None
+    buffer_rows = tensor.untyped_storage().nbytes() // (heads * capacity * head_dim * tensor.element_size())
+    return (capacity, start, buffer_rows) if buffer_rows >= rows else None
 
 
-def _capacity(columns: int) -> int:
-    """The columns a new buffer holds for ``columns`` in use: the slack the next steps write into."""
-    return columns + max(MIN_SLACK_COLUMNS, columns // SLACK_FRACTION)
+def _spare_columns(tensor: torch.Tensor) -> int:
+    """How many columns past ``tensor``'s last one its buffer holds for it (0 unless it is a view of
+    one of this module's buffers, see ``_geometry``)."""
+    geometry = _geometry(tensor)
+    return 0 if geometry is None else geometry[0] - geometry[1] - tensor.shape[2]
+
+
+def _widened(tensor: torch.Tensor, rows: int, columns: int, start: int) -> torch.Tensor:
+    """The view of ``tensor``'s buffer with ``rows`` leading rows and ``columns`` columns from
+    column ``start`` (the caller checked with ``_geometry`` that the buffer holds them)."""
+    _, heads, _, head_dim = tensor.shape
+    return tensor.as_strided((rows, heads, columns, head_dim), tensor.stride(), start * head_dim)
+
+
+def _slack(columns: int) -> int:
+    """Spare columns for a buffer of ``columns`` columns, on each side of them."""
+    return max(MIN_SLACK_COLUMNS, columns // SLACK_FRACTION)
+
+
+def _new_view(
+    like: torch.Tensor, rows: int, columns: int, room: int = 0, buffer_rows: int = 0
+) -> torch.Tensor:
+    """``rows`` x ``columns`` columns (not yet written) of a new buffer with slack on both sides:
+    ``room`` plus ``_slack`` columns after them for the next writes, ``_slack`` columns before them
+    for wider rows a merge adds, and ``buffer_rows`` rows if that is more than ``rows``."""
+    lead = _slack(columns)
+    capacity = lead + columns + room + _slack(columns + room)
+    buffer = like.new_empty((max(rows, buffer_rows), like.shape[1], capacity, like.shape[3]))
+    return buffer[:rows, :, lead : lead + columns]
 
 
 def _with_room(states: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """A new buffer holding ``kept`` then ``states`` along the columns, with slack after them."""
+    """A new buffer holding ``kept`` then ``states`` along the columns, with slack around them (and
+    as many rows as ``kept``'s buffer had, for rows a merge adds)."""
     old = 0 if kept is None else kept.shape[2]
-    columns = old + states.shape[2]
-    capacity = _capacity(columns)
-    buffer = states.new_empty((*states.shape[:2], capacity, states.shape[3]))
+    geometry = None if kept is None else _geometry(kept)
+    buffer_rows = geometry[2] if geometry is not None else 0
+    view = _new_view(states, states.shape[0], old + states.shape[2], buffer_rows=buffer_rows)
     if kept is not None:
-        buffer[:, :, :old].copy_(kept)
-    buffer[:, :, old:columns].copy_(states)
-    return buffer[:, :, :columns]
+        view[:, :, :old].copy_(kept)
+    view[:, :, old:].copy_(states)
+    return view
 
 
 def _appended(kept: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -157,41 +193,94 @@ def supports_reuse(model: PreTrainedModel) -> bool:
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Keep only ``rows`` (indices into the batch dimension), in that order."""
-    cache.batch_select_indices(rows)
+    """Keep only ``rows`` (indices into the batch dimension), in that order.
+
+    Where no row moves down (``rows[j] >= j``, no repeats: rows removed, see
+    :func:`order_after_removing`), plain layers move the kept rows up within their buffers and keep
+    the leading rows as a view: nothing is allocated, the freed rows stay in the buffer for rows a
+    later ``merge`` adds, and the spare columns stay for the next decode steps. A gather (new
+    tensors) copied the whole cache at every removal, and the next step copied it again to find
+    room: on the demo, most of sampling's page faults (docs/benchmarks.md, session 26).
+    """
+    order = rows.tolist()
+    moves_up = len(set(order)) == len(order) and all(source >= row for row, source in enumerate(order))
+    if not (moves_up and supports_merging(cache)):
+        cache.batch_select_indices(rows)
+        return
+    # In-place writes into tensors a forward made under inference mode must happen under it too.
+    with torch.inference_mode(cache.layers[0].keys.is_inference()):
+        for layer in cache.layers:
+            layer.keys = _rows_moved_up(layer.keys, order)
+            layer.values = _rows_moved_up(layer.values, order)
+
+
+def order_after_removing(rows: int, removed: list[int]) -> list[int]:
+    """The rows kept when ``removed`` go, ordered so that ``select_rows`` moves as few as possible:
+    each removed row below the new count takes one of the last rows' place, the others stay."""
+    gone = set(removed)
+    count = rows - len(gone)
+    movers = iter([row for row in range(count, rows) if row not in gone])
+    return [next(movers) if row in gone else row for row in range(count)]
+
+
+def _rows_moved_up(tensor: torch.Tensor, order: list[int]) -> torch.Tensor:
+    for row, source in enumerate(order):
+        if source != row:
+            tensor[row].copy_(tensor[source])
+    return tensor[: len(order)]
 
 
 def _stacked(parts: list[torch.Tensor], width: int, room: int = 0) -> torch.Tensor:
     """``parts`` (each ``[rows_i, kv_heads, columns_i, head_dim]``) one under the other, each
-    right-aligned in ``width`` columns (zeros before the shorter ones): the leading columns of a new
-    buffer with ``room`` spare columns and the usual slack after them.
+    right-aligned in ``width`` columns (zeros before the shorter ones), in a new buffer with
+    ``room`` spare columns after them besides the usual slack (``_new_view``).
 
     ``torch.cat`` of left-padded parts would build each padded part, then the result, and leave no
     spare columns, so the next forward would copy the whole layer once more: here each part is
     copied once, and a forward of up to ``room`` tokens (a prefill after a kept prefix) or the next
     decode steps write in place.
     """
-    first = parts[0]
-    capacity = _capacity(width + room)
-    buffer = first.new_empty((sum(part.shape[0] for part in parts), first.shape[1], capacity, first.shape[3]))
+    view = _new_view(parts[0], sum(part.shape[0] for part in parts), width, room)
     start = 0
     for part in parts:
         rows, padding = part.shape[0], width - part.shape[2]
-        buffer[start : start + rows, :, :padding].zero_()
-        buffer[start : start + rows, :, padding:width].copy_(part)
+        view[start : start + rows, :, :padding].zero_()
+        view[start : start + rows, :, padding:].copy_(part)
         start += rows
-    return buffer[:, :, :width]
+    return view
 
 
 def merge(first: DynamicCache, second: DynamicCache) -> None:
     """Append the rows of ``second`` after those of ``first`` (in place), right-aligning columns.
 
     The shorter of the two is left-padded with zero columns; the caller pads its masks the same.
+    Where ``first``'s buffers have the rows (freed by ``select_rows``) and the leading columns
+    (dropped by ``drop_leading_columns``) for it, ``second`` is written into them; else both are
+    copied into new buffers.
     """
     for mine, theirs in zip(first.layers, second.layers, strict=True):
         width = max(mine.keys.shape[2], theirs.keys.shape[2])
-        mine.keys = _stacked([mine.keys, theirs.keys], width)
-        mine.values = _stacked([mine.values, theirs.values], width)
+        mine.keys = _joined(mine.keys, theirs.keys, width)
+        mine.values = _joined(mine.values, theirs.values, width)
+
+
+def _joined(mine: torch.Tensor, theirs: torch.Tensor, width: int) -> torch.Tensor:
+    """``mine``'s rows then ``theirs``, each right-aligned in ``width`` columns: within ``mine``'s
+    buffer where it holds them, else in a new one (``_stacked``)."""
+    geometry = _geometry(mine)
+    rows, wider = mine.shape[0], width - mine.shape[2]
+    if geometry is None or mine.shape[1] != theirs.shape[1] or mine.dtype != theirs.dtype:
+        return _stacked([mine, theirs], width)
+    _, start, buffer_rows = geometry
+    if start < wider or rows + theirs.shape[0] > buffer_rows:
+        return _stacked([mine, theirs], width)
+    joined = _widened(mine, rows + theirs.shape[0], width, start - wider)
+    with torch.inference_mode(mine.is_inference()):
+        joined[:rows, :, :wider].zero_()
+        padding = width - theirs.shape[2]
+        joined[rows:, :, :padding].zero_()
+        joined[rows:, :, padding:].copy_(theirs)
+    return joined
 
 
 def drop_leading_columns(cache: DynamicCache, columns: int) -> None:
