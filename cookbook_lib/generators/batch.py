@@ -313,12 +313,12 @@ class DecodeBatch(PrefillBatch):
         """Take rows out of the batch (finished or cancelled), shrinking the cache to the rest."""
         if not indices:
             return []
-        removed, keep = self._partition(indices)
-        if not keep:
+        removed, others = self._partition(indices)
+        if not others:
             self.clear()
             return removed
         assert self._cache is not None
-        # Each removed row's place goes to one of the last rows: the cache moves those rows only.
+        # The others, each removed row's place taken by one of the last rows: the cache moves only those.
         keep = kv_cache.order_after_removing(len(self.rows), indices)
         index = torch.tensor(keep, device=self.device)
         kv_cache.select_rows(self._cache, index)
