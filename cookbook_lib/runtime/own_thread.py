@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from cookbook_lib.runtime.openmp_team import release_openmp_team
+
 Result = TypeVar("Result")
 
 
@@ -33,6 +35,9 @@ def run_in_own_thread(function: Callable[[threading.Event], Result], name: str) 
         finally:
             done.set()
 
+    # The calling thread only waits from here on: its idle team (from the model's loading, say)
+    # would make libgomp stop spin-waiting in the new thread's team.
+    release_openmp_team()
     # Waiting on an event, not Thread.join: a join that an interrupt broke may not wait again.
     threading.Thread(target=target, name=name, daemon=True).start()
     try:
