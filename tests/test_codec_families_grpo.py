@@ -1,7 +1,7 @@
 """Two lockstep GRPO steps on the tool-use game per model family: a tiny random model that uses
 that family's tokenizer and shipped chat template, so the template self-check, the SFT warm-start
 on expert demonstrations (rendered by the family's codec), sampling, parsing, continuation and
-training all run together through ``train_multi_turn``. About 35 s a family on 2 cores.
+training all run together through ``train_multi_turn``. About 45 s a family on 2 cores.
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def test_two_grpo_steps_through_the_familys_template(family, base_tokenizer, dem
         run_name=family,
         wandb_project=None,
     )
-    warm_start = WarmStart(demos, steps=90, batch_size=2, learning_rate=2e-2)
+    # At 2e-2 over 90 steps the qwen3 model ended its warm-start on a loss spike on an AMD EPYC (its
+    # float32 rounding is not the Xeon's) and sampled no well-formed call: a gentler rate, more steps.
+    warm_start = WarmStart(demos, steps=120, batch_size=2, learning_rate=1e-2)
     result = train_multi_turn(
         config, tasks=[task], env_factory=lambda _: ToolUseGameEnv(), warm_start=warm_start
     )
