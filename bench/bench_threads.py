@@ -12,7 +12,7 @@ worker thread while the main thread's team exists, and prints the ratio.
 Then the warm-start's case: training steps (forward and backward of ``--train-rows`` x 512 tokens)
 in :func:`run_in_own_thread` while the caller only waits, its team kept against let go (what
 ``run_in_own_thread`` does), alternating for ``--rounds``; it prints wall, user and system seconds
-of each and the ratios.
+and voluntary context switches of each, and the ratios.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ def train_steps(model, batch_BT: torch.Tensor, steps: int) -> None:
         model.zero_grad(set_to_none=True)
 
 
-def train_in_own_thread(
-    model, batch_BT: torch.Tensor, steps: int, let_go: bool
-) -> tuple[float, float, float]:
-    """Wall, user and system seconds of :func:`train_steps` in ``run_in_own_thread``, the calling
-    thread's team (built by a matmul just before, as a model's loading builds it) kept or let go."""
+def train_in_own_thread(model, batch_BT: torch.Tensor, steps: int, let_go: bool) -> list[float]:
+    """Wall, user and system seconds and the process's voluntary context switches (a helper that
+    sleeps on a futex instead of spinning makes one) of :func:`train_steps` in ``run_in_own_thread``,
+    the calling thread's team (built by a matmul just before, as a model's loading builds it) kept or
+    let go."""
     torch.randn(512, 512) @ torch.randn(512, 512)
     # Kept: run_in_own_thread as it was before it let go of its caller's team.
     kept = mock.patch.object(own_thread, "release_openmp_team", lambda: False)
@@ -69,12 +69,12 @@ def train_in_own_thread(
     with contextlib.nullcontext() if let_go else kept:
         own_thread.run_in_own_thread(lambda stop: train_steps(model, batch_BT, steps), name="train")
     wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
-    return (
+    return [
         wall,
         after.ru_utime - before.ru_utime,
         after.ru_stime - before.ru_stime,
         after.ru_nvcsw - before.ru_nvcsw,
-    )
+    ]
 
 
 def main() -> None:
@@ -119,14 +119,11 @@ def main() -> None:
             f"  {label:22s} wall {wall:6.1f} s | user {user:6.1f} s | "
             f"system {system:5.1f} s ({system / user:.1%} of user) | {switches:,.0f} context switches"
         )
-    (kept_wall, _, kept_system, kept_switches), (go_wall, _, go_system, go_switches) = (
-        totals[False],
-        totals[True],
-    )
+    kept, released = totals[False], totals[True]
     print(
-        f"  let go / kept: wall {go_wall / kept_wall:.2f}x, "
-        f"system {go_system / max(kept_system, 1e-9):.2f}x, "
-        f"context switches {go_switches / max(kept_switches, 1):.2f}x"
+        f"  let go / kept: wall {released[0] / kept[0]:.2f}x, "
+        f"system {released[2] / max(kept[2], 1e-9):.2f}x, "
+        f"context switches {released[3] / max(kept[3], 1):.2f}x"
     )
 
 
