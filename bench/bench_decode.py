@@ -6,7 +6,11 @@
 ``DynamicLayer`` (transformers) concatenates every layer's cache each step; ``SlackLayer``
 (cookbook_lib/generators/kv_cache.py) writes into spare columns; the third arm adds
 ``onednn_linears`` (cookbook_lib.runtime.onednn_linear.py), which sends the linears to oneDNN
-instead of MKL: the two together are what ``HFGenerator`` runs on a CPU. The last arm is the
+instead of MKL: the two together are what ``HFGenerator`` runs on a CPU where oneDNN measured
+faster, on a model it shares with the trainer. Where it did (AMD), the next arm is the float32
+copy a generator owns (an async run's, an evaluation's), its linears prepacked for oneDNN and
+grouped (``runtime/packed_linear.py``); elsewhere float32 is not packed and the arm is left out.
+The last arm is the
 sampling copy a bf16 run decodes with (``devices.sampling_copy``: bf16 weights and KV cache, the
 output layer in float32), what ``dtype="auto"`` picks on a CPU with native bf16, first with plain
 weights, then with its linears prepacked for oneDNN (``runtime/packed_linear.py``) one by one, then
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -87,6 +92,8 @@ def main() -> None:
     pack_linears(packed, group=False)
     grouped = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
     pack_linears(grouped)
+    float32_packed = copy.deepcopy(model).eval()
+    float32_packs = pack_linears(float32_packed) > 0  # where the trainer's linears run in oneDNN
     release_openmp_team()  # the copies' casts gave this thread a team; the steps below run here anyway
     plain = contextlib.nullcontext
 
@@ -97,10 +104,13 @@ def main() -> None:
         "concatenating (DynamicLayer)": (model, lambda: DynamicCache(config=model.config), plain),
         "in place (SlackLayer)": (model, lambda: kv_cache.new_cache(model), plain),
         "in place + oneDNN linears": (model, lambda: kv_cache.new_cache(model), onednn),
+        "float32, packed, grouped": (float32_packed, lambda: kv_cache.new_cache(float32_packed), plain),
         "in place, bf16 (head in float32)": (bf16, lambda: kv_cache.new_cache(bf16), plain),
         "in place, bf16, packed": (packed, lambda: kv_cache.new_cache(packed), plain),
         "bf16, packed, grouped": (grouped, lambda: kv_cache.new_cache(grouped), plain),
     }
+    if not float32_packs:
+        del arms["float32, packed, grouped"]
     threads = torch.get_num_threads()
     print(f"{args.rows} rows, {args.prompt_tokens}-token prompt, {args.steps} steps, {threads} threads")
     results: dict[str, list[float]] = {name: [] for name in arms}

@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cookbook_lib.runtime.onednn_caches import CAPACITY, VARIABLES
-from cookbook_lib.runtime.packed_linear import packing_works
+from cookbook_lib.runtime.packed_linear import packs
 
 # A fresh process: the capacities are read once, at torch's first oneDNN call. It packs two bf16
 # weights as a sampling copy does and runs them at 200 row counts (400 kernels), printing the
@@ -72,7 +73,7 @@ def test_importing_the_package_sets_both_capacities_and_keeps_the_users(monkeypa
 
 
 @pytest.mark.skipif(not _has_mallinfo2(), reason="needs glibc's mallinfo2 to read what malloc holds")
-@pytest.mark.skipif(not packing_works(), reason="needs torch's oneDNN bf16 linears")
+@pytest.mark.skipif(not packs(torch.bfloat16), reason="needs torch's oneDNN bf16 linears")
 def test_new_matmul_shapes_do_not_pile_up_kernels():
     environment = {name: value for name, value in os.environ.items() if name not in VARIABLES}
     bounded = _grown_bytes(environment)

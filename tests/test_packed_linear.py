@@ -18,11 +18,13 @@ from cookbook_lib.runtime.packed_linear import (
     load_weights,
     pack_linears,
     packed_layers,
-    packing_works,
+    packs,
     weight_shapes,
 )
 
-pytestmark = pytest.mark.skipif(not packing_works(), reason="this torch build cannot pack bf16 weights")
+pytestmark = pytest.mark.skipif(
+    not packs(torch.bfloat16), reason="this torch build cannot pack bf16 weights on this CPU"
+)
 
 
 def _bf16(model):
@@ -65,6 +67,8 @@ def test_at_the_embedded_models_shapes_packed_equals_f_linear_bit_for_bit(shape,
 
 
 def test_float32_models_and_the_switch_pack_nothing(sharp_model, monkeypatch):
+    # Float32 packs only where the trainer's float32 linears run in oneDNN (test_packed_linear_float32).
+    monkeypatch.setattr(packed_linear, "onednn_linear_chosen", lambda: False)
     model = copy.deepcopy(sharp_model)
     assert pack_linears(model) == 0 and not packed_layers(model)
     monkeypatch.setenv(packed_linear.SWITCH_VARIABLE, "0")

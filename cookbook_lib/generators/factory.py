@@ -38,7 +38,7 @@ def make_generator(
     size and seed the vLLM engine; the ``hf`` backend draws its seeds from torch's global RNG.
     ``cuda_graphs=False`` keeps the ``hf`` backend on its growing KV cache on CUDA as well.
     ``owns_model=True`` says ``model`` is a copy only this generator uses: the ``hf`` backend may
-    then prepack its bf16 weights on a CPU (``HFGenerator(pack_weights=True)``), after which the
+    then prepack its weights on a CPU (``HFGenerator(pack_weights=True)``), after which the
     model samples but cannot be trained.
     """
     if backend == "hf":

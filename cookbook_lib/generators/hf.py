@@ -81,11 +81,13 @@ class HFGenerator(WorkerGenerator):
             and its cache and attention allow it (full attention, sdpa or eager), since that is
             where it is faster; the CPU keeps the growing cache. True on a model that cannot
             raises ``ValueError`` with the reason. Both sample the same, up to float rounding.
-        pack_weights: on a CPU, swap the model's bf16 linear layers for ones whose weights are
-            prepacked for oneDNN (``runtime/packed_linear.py``): the same logits at the embedded
-            model's sizes, a 16-row decode step's linears in about half the time. The model can
-            then sample but not be trained, so pass True only for a copy the generator owns
-            (``train_multi_turn``'s sampling copy is one). Float32 layers stay as they are.
+        pack_weights: on a CPU, swap the model's linear layers for ones whose weights are prepacked
+            for oneDNN (``runtime/packed_linear.py``): the same logits at the embedded model's sizes
+            (bf16 bit for bit; float32 within rounding), a 16-row decode step's linears in about half
+            (bf16, Xeon) or three quarters (float32, AMD) of the time. bf16 layers pack where the
+            CPU can, float32 ones where the trainer's linears run in oneDNN too; others stay as
+            they are. The model can then sample but not be trained, so pass True only for a copy
+            the generator owns (``train_multi_turn``'s sampling copy is one).
 
     Kept prefixes hold keys and values of the current weights: ``update_weights`` drops them all,
     and samples in flight during an update are not kept (their caches mix two versions).

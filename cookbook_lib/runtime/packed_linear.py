@@ -1,4 +1,4 @@
-"""Linear layers whose bf16 weights are prepacked for oneDNN: a generator's CPU decode step, faster.
+"""Linear layers whose weights are prepacked for oneDNN: a generator's CPU decode step, faster.
 
 A bf16 ``F.linear`` on a CPU already runs in oneDNN, but from the plain ``[out, in]`` weight,
 which oneDNN reorders into its blocked layout on every call. At a decode step's few rows that
@@ -20,9 +20,18 @@ The swap is one-way: the model then samples but cannot be trained or saved throu
 ``state_dict`` (the packed weights are not in it), which is why only a generator that owns its
 model (a sampling copy) packs. Weight updates go through :func:`load_weights`, which repacks the
 linears from the trainer's tensors and copies the rest, and :func:`weight_shapes`, which names
-the packed weights as the model did. Elsewhere (not a CPU, float32 weights, a torch build without
-oneDNN or whose packed linear disagrees with ``F.linear`` on a check, ``COOKBOOK_PACK_LINEARS=0``)
-nothing is packed.
+the packed weights as the model did.
+
+Float32 linears are packed too where the trainer's float32 linears run in oneDNN
+(``onednn_linear.onednn_linear_chosen``: CPUs where MKL's sgemm is slow, such as AMD's). There the
+packed kernel gives the plain oneDNN linear's sums bit for bit from 2 rows up (one row takes a
+matrix-vector kernel, within float32 rounding), and a 16-row decode step's linears, which read all
+0.54 GB of the embedded model's float32 weights, take ~0.75x the time: on a 2-core AMD EPYC without
+AVX-512 (2026-12-06), 98 against 133 ms over the 30 layers' grouped projections and the head.
+That CPU cannot pack bf16 weights (oneDNN needs AVX-512 or AVX-NE-CONVERT for that reorder), so
+packing is decided per dtype. Elsewhere (not a CPU, a dtype this build cannot pack or whose packed
+linear disagrees with ``F.linear`` on a check, float32 where MKL serves the trainer,
+``COOKBOOK_PACK_LINEARS=0``) nothing is packed.
 """
 
 from __future__ import annotations
@@ -36,11 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from cookbook_lib.runtime.devices import Float32Head
+from cookbook_lib.runtime.onednn_linear import onednn_linear_chosen
 
 SWITCH_VARIABLE = "COOKBOOK_PACK_LINEARS"  # "0": never pack
-# Linears in float32 stay with MKL, whose sums the trainer's match; a bf16 copy's float32 head
-# (devices.Float32Head) is packed, its logits within float32 rounding of MKL's (~5e-6 at |20|).
-PACKED_DTYPES = (torch.bfloat16,)
 # oneDNN picks the packed layout for a row count; every count runs on it, this one best. A
 # decode batch of the demo's 16 rows (4 tasks x 4 episodes).
 ROWS_HINT = 16
@@ -182,58 +189,77 @@ class PackedPart(torch.nn.Module):
 
 
 @functools.cache
-def packing_works() -> bool:
-    """Whether this torch build packs weights and its packed linear agrees with ``F.linear`` on a check:
-    bf16 to the bit (the same oneDNN kernel at these sizes), a float32 head to float32 rounding."""
+def packs(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs ``dtype`` weights on this CPU and its packed linear agrees with
+    ``F.linear`` on a check: bf16 to the bit (the same oneDNN kernel at these sizes), float32 to
+    float32 rounding (``F.linear`` may be MKL's)."""
     if not torch.backends.mkldnn.is_available():
         return False
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(256, 576, generator=generator)
     bias = torch.randn(256, generator=generator)
+    agree = torch.equal if dtype == torch.bfloat16 else _float32_close
     try:
         with torch.inference_mode():
-            for dtype in (torch.bfloat16, torch.float32):
-                packed = _pack(weight.to(dtype))
-                for rows in (1, ROWS_HINT, 37):
-                    x = torch.randn(rows, 576, generator=generator).to(dtype)
-                    for b in (None, bias.to(dtype)):
-                        ours, theirs = _packed_linear(x, packed, b), F.linear(x, weight.to(dtype), b)
-                        agree = torch.equal if dtype == torch.bfloat16 else _float32_close
-                        if not agree(ours, theirs):
-                            return False
-    except (RuntimeError, AttributeError, NotImplementedError):
+            packed = _pack(weight.to(dtype))
+            for rows in (1, ROWS_HINT, 37):
+                x = torch.randn(rows, 576, generator=generator).to(dtype)
+                for b in (None, bias.to(dtype)):
+                    if not agree(_packed_linear(x, packed, b), F.linear(x, weight.to(dtype), b)):
+                        return False
+    except (RuntimeError, AttributeError, NotImplementedError):  # e.g. bf16 on a CPU without AVX-512
         return False
     return True
+
+
+def packed_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes whose linears :func:`pack_linears` packs here: bf16 where it packs, float32 where
+    it packs and the trainer's float32 linears run in oneDNN too (so sampling and training share a
+    kernel family), none with ``COOKBOOK_PACK_LINEARS=0``."""
+    if os.environ.get(SWITCH_VARIABLE, "") == "0":
+        return frozenset()
+    chosen = {torch.bfloat16: packs(torch.bfloat16)}
+    chosen[torch.float32] = packs(torch.float32) and onednn_linear_chosen()
+    return frozenset(dtype for dtype, on in chosen.items() if on)
+
+
+def packing_works() -> bool:
+    """Whether any dtype packs here (:func:`packed_dtypes`)."""
+    return bool(packed_dtypes())
 
 
 def _float32_close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     return torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def _packable(module: torch.nn.Module) -> bool:
+def _packable(module: torch.nn.Module, dtypes: frozenset[torch.dtype]) -> bool:
     if isinstance(module, Float32Head):  # a bf16 copy's float32 output layer: the largest matmul
         # A head shared with the trained model stays: a packed copy would cost its 0.11 GB again.
-        return module.weight.device.type == "cpu" and not module.shared
+        # Packed wherever float32 packs: its logits are within float32 rounding of MKL's (~5e-6
+        # at |20|), and on a bf16 copy it is the one float32 matmul of a step.
+        return module.weight.device.type == "cpu" and not module.shared and packs(torch.float32)
     return (
         type(module) is torch.nn.Linear  # subclasses (LoRA layers, quantised ones) do more than a matmul
         and module.weight.device.type == "cpu"
-        and module.weight.dtype in PACKED_DTYPES
+        and module.weight.dtype in dtypes
     )
 
 
 def pack_linears(model: torch.nn.Module, group: bool = True) -> int:
-    """Swap ``model``'s bf16 CPU ``nn.Linear`` layers for :class:`PackedLinear` ones; how many were swapped.
+    """Swap ``model``'s CPU ``nn.Linear`` layers of a :func:`packed_dtypes` dtype for :class:`PackedLinear`
+    ones; how many were swapped.
 
     With ``group``, sibling projections of one input (:data:`GROUPS`) become the :class:`PackedPart`
     slices of one :class:`PackedGroup` instead. Packs nothing (0) where packing is off or does not
     work here. The model keeps sampling the same tokens, but can no longer be trained: call it on a
     copy only a generator uses.
     """
-    if os.environ.get(SWITCH_VARIABLE, "") == "0" or not packing_works():
+    dtypes = packed_dtypes()
+    if not dtypes:
         return 0
     swapped = 0
     for parent in list(model.modules()):
-        children = {name: child for name, child in parent.named_children() if _packable(child)}
+        children = {name: child for name, child in parent.named_children() if _packable(child, dtypes)}
         swapped += len(children)
         with torch.no_grad():
             for names in GROUPS if group else ():
