@@ -6,8 +6,10 @@
 ``DynamicLayer`` (transformers) concatenates every layer's cache each step; ``SlackLayer``
 (cookbook_lib/generators/kv_cache.py) writes into spare columns; the third arm adds
 ``onednn_linears`` (cookbook_lib.runtime.onednn_linear.py), which sends the linears to oneDNN
-instead of MKL: the two together are what ``HFGenerator`` runs on a CPU where oneDNN measured
-faster, on a model it shares with the trainer. Where it did (AMD), the next arm is the float32
+instead of MKL through a torch function mode (which runs Python for every op of the step), and the
+fourth routes each linear layer to oneDNN itself (``runtime/routed_linear.py``): what ``HFGenerator``
+runs on a CPU where oneDNN measured faster, on a model it shares with the trainer. Where it did
+(AMD), the next arm is the float32
 copy a generator owns (an async run's, an evaluation's), its linears prepacked for oneDNN and
 grouped (``runtime/packed_linear.py``); elsewhere float32 is not packed and the arm is left out.
 The last arm is the
@@ -18,10 +20,11 @@ with a layer's q/k/v and gate/up projections packed together, as a run's generat
 arms run the same prompt and greedy tokens, alternating, and the bench prints the median step time
 of each, its ratio to the first and its largest logit difference from the first (0: the same
 numbers). It also times the step's matmuls alone, each of the model's weight shapes at these rows,
-through MKL and through oneDNN, and the machine's limit: the bytes a bf16 step must read (every
-weight once, the KV cache once) over this machine's measured streaming read rate: at 16 rows the
-floor is that memory traffic, not the matmuls' arithmetic. Timings on a shared machine are noisy:
-compare the ratios of one run.
+through MKL and through oneDNN, and the machine's limit: the bytes a step in the dtype that
+``dtype="auto"`` picks here must read (every weight once, the KV cache once) over this machine's
+measured streaming read rate. Where bf16 is native (the Xeon with AMX) that memory traffic is the
+floor at 16 rows; in float32 on an AVX2 CPU the matmuls' arithmetic is (the bench prints both).
+Timings on a shared machine are noisy: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ import torch
 from transformers import DynamicCache
 
 from cookbook_lib.generators import kv_cache
-from cookbook_lib.runtime.devices import Float32Head, Precision, sampling_copy
+from cookbook_lib.runtime.devices import Float32Head, Precision, resolve_precision, sampling_copy
 from cookbook_lib.runtime.models import load_model
 from cookbook_lib.runtime.onednn_linear import onednn_linears
 from cookbook_lib.runtime.openmp_team import release_openmp_team
 from cookbook_lib.runtime.packed_linear import pack_linears
+from cookbook_lib.runtime.routed_linear import route_linears, routed_linears
 
 
 def decode(model, prompt_BT: torch.Tensor, make_cache, steps: int) -> tuple[float, torch.Tensor]:
@@ -81,6 +85,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a 120-token prompt, 8 steps, 2 rounds")
+    parser.add_argument(
+        "--bf16", action="store_true", help="run the bf16 arms also where dtype='auto' picks float32"
+    )
     args = parser.parse_args()
     if args.quick:
         args.prompt_tokens, args.steps, args.rounds = 120, 8, 2
@@ -92,6 +99,8 @@ def main() -> None:
     pack_linears(packed, group=False)
     grouped = sampling_copy(model, Precision(torch.device("cpu"), torch.bfloat16, torch.bfloat16))
     pack_linears(grouped)
+    routed = copy.deepcopy(model).eval()
+    routes = route_linears(routed) > 0  # where oneDNN's linear is chosen
     float32_packed = copy.deepcopy(model).eval()
     float32_packs = pack_linears(float32_packed) > 0  # where the trainer's linears run in oneDNN
     release_openmp_team()  # the copies' casts gave this thread a team; the steps below run here anyway
@@ -104,13 +113,22 @@ def main() -> None:
         "concatenating (DynamicLayer)": (model, lambda: DynamicCache(config=model.config), plain),
         "in place (SlackLayer)": (model, lambda: kv_cache.new_cache(model), plain),
         "in place + oneDNN linears": (model, lambda: kv_cache.new_cache(model), onednn),
+        "in place + routed linears": (routed, lambda: kv_cache.new_cache(routed), routed_linears),
         "float32, packed, grouped": (float32_packed, lambda: kv_cache.new_cache(float32_packed), plain),
         "in place, bf16 (head in float32)": (bf16, lambda: kv_cache.new_cache(bf16), plain),
         "in place, bf16, packed": (packed, lambda: kv_cache.new_cache(packed), plain),
         "bf16, packed, grouped": (grouped, lambda: kv_cache.new_cache(grouped), plain),
     }
+    if not routes:
+        del arms["in place + routed linears"]
     if not float32_packs:
         del arms["float32, packed, grouped"]
+    auto = resolve_precision("cpu", "auto")
+    if auto.sample_dtype == torch.float32 and not args.bf16:
+        # Where bf16 matmuls are slow (no native bf16), its arms take minutes a round and no run uses them.
+        print(f"bf16 arms left out ({auto.auto_reason}); --bf16 runs them")
+        for name in [name for name in arms if "bf16" in name]:
+            del arms[name]
     threads = torch.get_num_threads()
     print(f"{args.rows} rows, {args.prompt_tokens}-token prompt, {args.steps} steps, {threads} threads")
     results: dict[str, list[float]] = {name: [] for name in arms}
@@ -138,19 +156,24 @@ def main() -> None:
         f"the step's matmuls alone: {mkl:.1f} ms through MKL, {onednn:.1f} ms through oneDNN (float32); "
         f"{bf16_floor:.1f} ms in bf16 (head in float32)"
     )
-    weights = sum(t.numel() * t.element_size() for t in bf16.state_dict().values()) - (
-        bf16.get_input_embeddings().weight.numel() * 2  # looked up, not read whole
-    )
-    config = bf16.config
+    sampled = bf16 if auto.sample_dtype == torch.bfloat16 else model
+    dtype_name = str(auto.sample_dtype).removeprefix("torch.")
+    embeddings = sampled.get_input_embeddings().weight
+    weights = sum(t.numel() * t.element_size() for t in sampled.state_dict().values()) - (
+        embeddings.numel() * embeddings.element_size()  # looked up, not read whole (a tied head is
+    )  # in the state dict under its own name too, so it is still counted once)
+    config = sampled.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     columns = args.prompt_tokens + args.steps // 2
-    kv = 2 * config.num_hidden_layers * args.rows * config.num_key_value_heads * columns * head_dim * 2
+    kv_bytes = 2 if auto.sample_dtype == torch.bfloat16 else 4
+    kv = 2 * config.num_hidden_layers * args.rows * config.num_key_value_heads * columns * head_dim * kv_bytes
     bandwidth = read_bandwidth_gbs()
     limit = (weights + kv) / bandwidth / 1e6
     print(
-        f"the machine's limit for a bf16 step: {weights / 1e6:.0f} MB of weights + {kv / 1e6:.0f} MB of "
-        f"KV cache at {bandwidth:.1f} GB/s read = {limit:.1f} ms ({args.rows * 1000 / limit:.0f} tok/s; "
-        f"{limit / medians[next(iter(medians))]:.2f}x the first arm)"
+        f"the machine's limit for a {dtype_name} step (dtype='auto' samples in it here):"
+        f" {weights / 1e6:.0f} MB of weights + {kv / 1e6:.0f} MB of KV cache at {bandwidth:.1f} GB/s read"
+        f" = {limit:.1f} ms"
+        f" ({args.rows * 1000 / limit:.0f} tok/s; {limit / medians[next(iter(medians))]:.2f}x the first arm)"
     )
 
 

@@ -44,9 +44,9 @@ from cookbook_lib.generators.worker import WorkerGenerator
 from cookbook_lib.runtime.block_cache import block_cache_active, install_block_cache
 from cookbook_lib.runtime.cpu_share import fit_threads
 from cookbook_lib.runtime.memory import release_memory
-from cookbook_lib.runtime.onednn_linear import onednn_linears
 from cookbook_lib.runtime.openmp_team import release_openmp_team
 from cookbook_lib.runtime.packed_linear import load_weights, pack_linears
+from cookbook_lib.runtime.routed_linear import route_linears, routed_linears
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,10 @@ class HFGenerator(WorkerGenerator):
             install_block_cache()
         if pack_weights and self.device.type == "cpu":
             pack_linears(model)  # after reading the head's shape above: a packed head has no .weight
+        if self.device.type == "cpu":
+            # The linears left plain (all of them on a model the trainer shares) call oneDNN, where
+            # it is chosen, inside the worker's steps only (runtime/routed_linear.py).
+            route_linears(model)
         self._prefixes = PrefixCache(prefix_cache_entries, prefix_cache_tokens)  # worker thread only
         # Keys of kept prefixes whose episodes ended (forget_prefix), from any thread; the worker
         # drops them between two steps. A deque's append and popleft are atomic.
@@ -292,7 +296,7 @@ class HFGenerator(WorkerGenerator):
         start = time.perf_counter()
         reused = sum(len(prefix) for prefix in prefixes if prefix is not None)
         try:
-            with torch.inference_mode(), onednn_linears(self.device), self._blocks():
+            with torch.inference_mode(), routed_linears(), self._blocks():
                 finished = self._batch.admit(requests, self._version, prefixes)
         except Exception as exc:  # e.g. out of memory: these requests fail, the running batch goes on
             for request in requests:
@@ -306,7 +310,7 @@ class HFGenerator(WorkerGenerator):
         fit_threads(self.device)  # a shared CPU's free cores, re-read once a second
         start, rows = time.perf_counter(), len(self._batch)
         try:
-            with torch.inference_mode(), onednn_linears(self.device), self._blocks():
+            with torch.inference_mode(), routed_linears(), self._blocks():
                 finished = self._batch.step(self._version)
         except Exception as exc:  # the cache may be half-updated: fail the whole batch
             for row in self._batch.clear():

@@ -9,8 +9,10 @@ count from 16 to 4096, and 0.5-0.6x for a weight gradient; a 16-row decode step 
 difference ~1e-4 on logits of magnitude ~20): both are float32 sums, in different orders.
 
 :func:`onednn_linears` is a torch function mode, active on the thread that enters it only (torch
-keeps the mode stack per thread): a generator's worker enters it around prefill and decode, the
-trainer around a step's forwards and backwards. With grad mode off, a float32 CPU ``F.linear``
+keeps the mode stack per thread): the trainer enters it around a step's forwards and backwards.
+A generator's worker does not: the mode runs Python for every torch function of a decode step,
+which cost more than oneDNN saved there, so its model's layers route themselves
+(``routed_linear.py``) or are prepacked (``packed_linear.py``). With grad mode off, a float32 CPU ``F.linear``
 becomes one oneDNN call; with it on, :class:`OneDnnLinearFunction`, whose backward computes both
 gradients through oneDNN too. Other dtypes, devices and autocast regions keep ``F.linear``.
 Activation checkpointing recomputes under the mode where the forward ran under it

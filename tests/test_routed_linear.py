@@ -1,0 +1,152 @@
+"""Routed linears (runtime/routed_linear.py): oneDNN in a generator's steps, nn.Linear's forward elsewhere."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cookbook_lib.generators import HFGenerator, SamplingParams
+from cookbook_lib.runtime import onednn_linear
+from cookbook_lib.runtime.asyncio_utils import run_sync
+from cookbook_lib.runtime.onednn_linear import OneDnnLinears
+from cookbook_lib.runtime.routed_linear import RoutedForward, route_linears, routed_linears
+
+pytestmark = pytest.mark.skipif(
+    not onednn_linear.onednn_linear_works(), reason="this torch build has no oneDNN linear"
+)
+
+
+@pytest.fixture(autouse=True)
+def onednn_chosen(monkeypatch):
+    """oneDNN's linear chosen, as on an AMD CPU, whatever this CPU measured."""
+    monkeypatch.setenv(onednn_linear.SWITCH_VARIABLE, "1")
+    onednn_linear.onednn_linear_chosen.cache_clear()
+    yield
+    onednn_linear.onednn_linear_chosen.cache_clear()
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The input shapes of every routed call to oneDNN."""
+    calls: list[tuple[int, ...]] = []
+    real = onednn_linear._onednn_linear
+
+    def counting(x, weight, bias):
+        calls.append(tuple(x.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr("cookbook_lib.runtime.routed_linear._onednn_linear", counting)
+    return calls
+
+
+def _layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32, bias=False))
+
+
+def test_inside_the_context_a_routed_layer_computes_what_the_mode_does(onednn_calls):
+    layers = _layers()
+    assert route_linears(layers) == 2
+    x = torch.randn(5, 1, 64)
+    with torch.inference_mode():
+        with OneDnnLinears():
+            expected = layers(x)
+        plain = layers(x)  # outside the context: nn.Linear's own forward
+        assert onednn_calls == []
+        with routed_linears():
+            routed = layers(x)
+    assert onednn_calls == [(5, 1, 64), (5, 1, 96)]
+    assert torch.equal(routed, expected)
+    torch.testing.assert_close(plain, routed, rtol=1e-5, atol=1e-5)
+
+
+def test_with_grad_another_dtype_or_another_thread_the_layer_is_nn_linears(onednn_calls):
+    layers = _layers()
+    route_linears(layers)
+    x = torch.randn(3, 64)
+    with routed_linears():
+        out = layers(x)  # grad enabled: the trainer's path, with gradients
+        out.sum().backward()
+        assert layers[0].weight.grad is not None
+        with torch.inference_mode():
+            layers.to(torch.float64)(x.double())
+    assert onednn_calls == []
+
+    seen: list[int] = []
+
+    def other_thread() -> None:
+        with torch.inference_mode():
+            layers.to(torch.float32)(x)
+        seen.append(len(onednn_calls))
+
+    with routed_linears():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert seen == [0]
+
+
+def test_a_copy_routes_its_own_weights_and_a_pickle_loads(onednn_calls):
+    layers = _layers()
+    route_linears(layers)
+    twin = copy.deepcopy(layers)
+    with torch.no_grad():
+        twin[0].weight.mul_(2)
+    assert isinstance(vars(twin[0])["forward"], RoutedForward)
+    assert vars(twin[0])["forward"].layer is twin[0]
+    x = torch.randn(4, 64)
+    with torch.inference_mode(), routed_linears():
+        assert not torch.equal(twin(x), layers(x))
+    loaded = pickle.loads(pickle.dumps(layers))
+    with torch.inference_mode(), routed_linears():
+        assert torch.equal(loaded(x), layers(x))
+    assert set(loaded.state_dict()) == set(_layers().state_dict())  # the route is not in the state dict
+
+
+def test_where_onednn_is_not_chosen_nothing_is_routed(monkeypatch):
+    monkeypatch.setenv(onednn_linear.SWITCH_VARIABLE, "0")
+    onednn_linear.onednn_linear_chosen.cache_clear()
+    layers = _layers()
+    assert route_linears(layers) == 0
+    assert "forward" not in vars(layers[0])
+
+
+def test_a_generator_on_a_shared_model_routes_it_samples_through_onednn_and_leaves_it_trainable(
+    sharp_model, tokenizer, prompts, onednn_calls
+):
+    model = copy.deepcopy(sharp_model).eval()
+    generator = HFGenerator(model, pad_token_id=tokenizer.pad_token_id)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert all(isinstance(vars(m).get("forward"), RoutedForward) for m in linears)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
+
+    async def sample():
+        async with generator:
+            return await generator.sample(prompts[1], params)
+
+    result = run_sync(sample())
+    assert onednn_calls  # the worker's prefill and decode steps went to oneDNN
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompts[1] + result.tokens])).logits[0]
+    logprobs = torch.log_softmax(logits, -1)[len(prompts[1]) - 1 : -1]
+    expected = logprobs.gather(-1, torch.tensor(result.tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-3, rtol=0.0)
+    # The trainer's thread: gradients through nn.Linear's forward, the same as an unrouted copy's.
+    tokens = torch.tensor([prompts[2]])
+    loss = model(input_ids=tokens).logits.logsumexp(-1).mean()
+    plain = copy.deepcopy(sharp_model)
+    expected_loss = plain(input_ids=tokens).logits.logsumexp(-1).mean()
+    torch.testing.assert_close(loss, expected_loss)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_f_linear_outside_a_layer_is_left_alone(onednn_calls):
+    with torch.inference_mode(), routed_linears():
+        F.linear(torch.randn(2, 8), torch.randn(3, 8))
+    assert onednn_calls == []
