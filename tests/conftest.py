@@ -93,3 +93,14 @@ def sliding_model(sharpen):
     )
     torch.manual_seed(0)
     return sharpen(AutoModelForCausalLM.from_config(config), seed=3)
+
+
+@pytest.fixture
+def onednn_linear_on(monkeypatch):
+    """oneDNN's float32 linear chosen, as on an AMD CPU, whatever this CPU measured."""
+    from cookbook_lib.runtime import onednn_linear
+
+    monkeypatch.setenv(onednn_linear.SWITCH_VARIABLE, "1")
+    onednn_linear.onednn_linear_chosen.cache_clear()
+    yield
+    onednn_linear.onednn_linear_chosen.cache_clear()

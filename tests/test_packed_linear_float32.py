@@ -28,22 +28,16 @@ from cookbook_lib.runtime.packed_linear import (
     packs,
 )
 
-pytestmark = pytest.mark.skipif(
-    not (packs(torch.float32) and onednn_linear.onednn_linear_works()),
-    reason="this torch build cannot pack float32 weights for oneDNN",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (packs(torch.float32) and onednn_linear.onednn_linear_works()),
+        reason="this torch build cannot pack float32 weights for oneDNN",
+    ),
+    pytest.mark.usefixtures("onednn_linear_on"),  # conftest: oneDNN chosen, as on AMD
+]
 
 # Float32 sums in another order (oneDNN's against MKL's, or a matrix-vector kernel at one row).
 LOGIT_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
-
-
-@pytest.fixture(autouse=True)
-def onednn_chosen(monkeypatch):
-    """The trainer's linears in oneDNN, as on an AMD CPU, whatever this CPU measured."""
-    monkeypatch.setenv(onednn_linear.SWITCH_VARIABLE, "1")
-    onednn_linear.onednn_linear_chosen.cache_clear()
-    yield
-    onednn_linear.onednn_linear_chosen.cache_clear()
 
 
 def _copy(model):

@@ -16,18 +16,12 @@ from cookbook_lib.runtime.asyncio_utils import run_sync
 from cookbook_lib.runtime.onednn_linear import OneDnnLinears
 from cookbook_lib.runtime.routed_linear import RoutedForward, route_linears, routed_linears
 
-pytestmark = pytest.mark.skipif(
-    not onednn_linear.onednn_linear_works(), reason="this torch build has no oneDNN linear"
-)
-
-
-@pytest.fixture(autouse=True)
-def onednn_chosen(monkeypatch):
-    """oneDNN's linear chosen, as on an AMD CPU, whatever this CPU measured."""
-    monkeypatch.setenv(onednn_linear.SWITCH_VARIABLE, "1")
-    onednn_linear.onednn_linear_chosen.cache_clear()
-    yield
-    onednn_linear.onednn_linear_chosen.cache_clear()
+pytestmark = [
+    pytest.mark.skipif(
+        not onednn_linear.onednn_linear_works(), reason="this torch build has no oneDNN linear"
+    ),
+    pytest.mark.usefixtures("onednn_linear_on"),  # conftest: oneDNN chosen, as on AMD
+]
 
 
 @pytest.fixture
