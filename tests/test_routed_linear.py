@@ -144,3 +144,17 @@ def test_f_linear_outside_a_layer_is_left_alone(onednn_calls):
     with torch.inference_mode(), routed_linears():
         F.linear(torch.randn(2, 8), torch.randn(3, 8))
     assert onednn_calls == []
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (576, 1536), (96, 64)])
+def test_a_row_alone_computes_what_it_computes_in_a_batch(shape):
+    """A decode step whose other rows have finished gives the row the same numbers, bit for bit."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(shape[1], shape[0])
+    route_linears(layer)
+    batch = torch.randn(16, 1, shape[1])
+    with torch.inference_mode(), routed_linears():
+        together = layer(batch)
+        for row in (0, 7, 15):
+            assert torch.equal(layer(batch[row : row + 1]), together[row : row + 1])
+        assert torch.equal(layer(batch[3]), together[3])  # [1, hidden]: the same, in its own shape

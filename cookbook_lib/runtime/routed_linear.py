@@ -13,10 +13,11 @@ and none for the other ops.
 
 Elsewhere the layer's forward is ``nn.Linear``'s own: on other threads (a trainer's, which has its
 own ``OneDnnLinears`` for the gradients), with grad enabled, under autocast, and for inputs that are
-not float32 on a CPU. The numbers are those of ``OneDnnLinears`` (the same oneDNN call), so a
-routed model samples what it sampled under the mode. The route is an instance attribute of each
-layer (``forward``), so it survives ``copy.deepcopy`` (bound to the copy's own weights) and
-pickling, and leaves ``state_dict`` as it was.
+not float32 on a CPU. The numbers are those of ``OneDnnLinears`` (the same oneDNN call), except
+for a lone row, which is computed as the first of two: oneDNN's one-row kernel sums in another
+order, and with it a row decoded alone would not compute what it computes in a batch. The route
+is an instance attribute of each layer (``forward``), so it survives ``copy.deepcopy`` (bound to
+the copy's own weights) and pickling, and leaves ``state_dict`` as it was.
 """
 
 from __future__ import annotations
@@ -45,8 +46,19 @@ class RoutedForward:
             and not torch.is_grad_enabled()
             and _reroutable(input, layer.weight, layer.bias)
         ):
-            return _onednn_linear(input, layer.weight, layer.bias)
+            return _batch_invariant_linear(input, layer.weight, layer.bias)
         return torch.nn.Linear.forward(layer, input)
+
+
+def _batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear, a lone row computed as the first of two: its matrix-vector kernel sums in another
+    order (~1e-4 apart at the embedded model's sizes), so a row decoded alone would not compute what
+    it computes in a batch, and seeded samples could differ with the batch around them. From 2 rows
+    up each row's sums do not depend on the others (checked at 2-16 rows on an AMD EPYC)."""
+    if x.numel() != x.shape[-1]:
+        return _onednn_linear(x, weight, bias)
+    row = x.reshape(1, x.shape[-1])
+    return _onednn_linear(torch.cat([row, row]), weight, bias)[:1].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def route_linears(model: torch.nn.Module) -> int:
