@@ -223,11 +223,6 @@ def packed_dtypes() -> frozenset[torch.dtype]:
     return frozenset(dtype for dtype, on in chosen.items() if on)
 
 
-def packing_works() -> bool:
-    """Whether any dtype packs here (:func:`packed_dtypes`)."""
-    return bool(packed_dtypes())
-
-
 def _float32_close(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     return torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
