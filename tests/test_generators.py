@@ -18,6 +18,7 @@ import threading
 
 import pytest
 import torch
+from reply_logprobs import chosen_logprobs, forward_logprobs
 
 from cookbook_lib.generators import (
     GeneratorClosedError,
@@ -78,13 +79,6 @@ def generate_alone(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=None,
     )
     return output[0, len(prompt) :].tolist()
-
-
-def forward_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T) at every sampled position, from one plain forward pass: [tokens, vocab]."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    return torch.log_softmax(logits.double() / temperature, dim=-1)
 
 
 # ---- SamplingParams and inputs -------------------------------------------------------------
@@ -620,8 +614,7 @@ def test_many_episodes_in_flight_reuse_their_prefixes_and_sample_the_same(float6
     for episode_on, episode_off in zip(on, off, strict=True):
         assert [r.tokens for _, r in episode_on] == [r.tokens for _, r in episode_off]
         for prompt, result in episode_on:
-            expected = forward_logprobs(model, prompt, result.tokens)
-            chosen = expected.gather(1, torch.tensor(result.tokens)[:, None]).squeeze(1)
+            chosen = chosen_logprobs(model, prompt, result.tokens)
             assert torch.allclose(torch.tensor(result.logprobs, dtype=torch.float64), chosen, atol=1e-4)
 
 

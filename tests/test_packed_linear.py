@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from reply_logprobs import chosen_logprobs
 
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.generators.handoff import check_state_dict
@@ -134,15 +135,12 @@ def test_a_generator_with_packed_weights_samples_what_the_plain_model_scores(
             after = [await generator.sample(p, params) for p in prompts]
         return before, after
 
-    def scored(model, prompt: list[int], reply: list[int]) -> torch.Tensor:
-        logprobs = torch.log_softmax(_logits(model, prompt + reply)[0].float(), -1)
-        return logprobs[len(prompt) - 1 : -1].gather(-1, torch.tensor(reply)[:, None])[:, 0]
-
     before, after = run_sync(sample())
     for model, results in ((_bf16(sharp_model), before), (_bf16(trained), after)):
         for prompt, result in zip(prompts, results, strict=True):
-            expected = scored(model, prompt, result.tokens)
-            torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=0.15, rtol=0.0)
+            expected = chosen_logprobs(model, prompt, result.tokens)
+            sampled = torch.tensor(result.logprobs, dtype=torch.float64)
+            torch.testing.assert_close(sampled, expected, atol=0.15, rtol=0.0)
     assert [r.tokens for r in before] != [r.tokens for r in after]  # the update reached the packed layers
 
 

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from reply_logprobs import chosen_logprobs
 
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.generators.handoff import check_state_dict
@@ -122,15 +123,12 @@ def test_a_generator_owning_a_float32_copy_packs_it_and_samples_what_the_plain_m
             after = [await generator.sample(p, params) for p in prompts]
         return before, after
 
-    def scored(model, prompt: list[int], reply: list[int]) -> torch.Tensor:
-        logprobs = torch.log_softmax(_logits(model, prompt + reply), -1)[0]
-        return logprobs[len(prompt) - 1 : -1].gather(-1, torch.tensor(reply)[:, None])[:, 0]
-
     before, after = run_sync(sample())
     for model, results in ((sharp_model, before), (trained, after)):
         for prompt, result in zip(prompts, results, strict=True):
-            expected = scored(model, prompt, result.tokens)
-            torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-3, rtol=0.0)
+            expected = chosen_logprobs(model, prompt, result.tokens)
+            sampled = torch.tensor(result.logprobs, dtype=torch.float64)
+            torch.testing.assert_close(sampled, expected, atol=1e-3, rtol=0.0)
     assert [r.tokens for r in before] != [r.tokens for r in after]  # the update reached the packed layers
 
 

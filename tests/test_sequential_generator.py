@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 import torch
+from reply_logprobs import forward_logprobs
 
 from cookbook_lib.generators import GeneratorClosedError, HFGenerator, SamplingParams
 from cookbook_lib.generators.sequential import SequentialHFGenerator
@@ -34,13 +35,6 @@ def run(coroutine):
         return await asyncio.wait_for(coroutine, TIMEOUT_S)
 
     return asyncio.run(guarded())
-
-
-def forward_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T) at every sampled position, from one plain forward pass: [tokens, vocab]."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    return torch.log_softmax(logits.double() / temperature, dim=-1)
 
 
 def test_greedy_output_equals_the_batching_generator(model, prompts):
