@@ -33,7 +33,7 @@ from cookbook_lib.runtime.models import load_model
 from cookbook_lib.runtime.onednn_linear import (
     MIN_SPEEDUP,
     OneDnnLinears,
-    _onednn_linear,
+    onednn_linear_forward,
     onednn_linear_speedup,
 )
 
@@ -52,9 +52,9 @@ def best_ms(work: Callable[[], object], repeats: int = 3, calls: int = 5) -> flo
 def linear_pairs(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> list[tuple[Callable, ...]]:
     """(MKL, oneDNN) for the forward, the input gradient and the weight gradient of one linear."""
     return [
-        (lambda: F.linear(x, weight), lambda: _onednn_linear(x, weight, None)),
-        (lambda: grad @ weight, lambda: _onednn_linear(grad, weight.t(), None)),
-        (lambda: grad.t() @ x, lambda: _onednn_linear(grad.t(), x.t(), None)),
+        (lambda: F.linear(x, weight), lambda: onednn_linear_forward(x, weight, None)),
+        (lambda: grad @ weight, lambda: onednn_linear_forward(grad, weight.t(), None)),
+        (lambda: grad.t() @ x, lambda: onednn_linear_forward(grad.t(), x.t(), None)),
     ]
 
 

@@ -31,14 +31,14 @@ def fresh_choice(monkeypatch):
 def rerouted(monkeypatch) -> list[tuple[int, ...]]:
     """The input shapes of every call the mode sent to oneDNN."""
     calls: list[tuple[int, ...]] = []
-    real = onednn_linear._onednn_linear
+    real = onednn_linear.onednn_linear_forward
     onednn_linear.onednn_linear_chosen()  # its check's calls are not the test's
 
     def counting(x, weight, bias):
         calls.append(tuple(x.shape))
         return real(x, weight, bias)
 
-    monkeypatch.setattr(onednn_linear, "_onednn_linear", counting)
+    monkeypatch.setattr(onednn_linear, "onednn_linear_forward", counting)
     return calls
 
 
@@ -142,6 +142,7 @@ def test_left_to_itself_it_is_chosen_where_it_measured_faster(monkeypatch, speed
 
 
 def test_a_build_whose_op_disagrees_is_not_used(monkeypatch):
-    monkeypatch.setattr(onednn_linear, "_onednn_linear", lambda x, weight, bias: F.linear(x, weight) + 1)
+    wrong = lambda x, weight, bias: F.linear(x, weight) + 1  # noqa: E731
+    monkeypatch.setattr(onednn_linear, "onednn_linear_forward", wrong)
     assert not onednn_linear.onednn_linear_works()
     assert not isinstance(onednn_linears("cpu"), OneDnnLinears)

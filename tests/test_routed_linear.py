@@ -28,13 +28,13 @@ pytestmark = [
 def onednn_calls(monkeypatch) -> list[tuple[int, ...]]:
     """The input shapes of every routed call to oneDNN."""
     calls: list[tuple[int, ...]] = []
-    real = onednn_linear._onednn_linear
+    real = onednn_linear.onednn_linear_forward
 
     def counting(x, weight, bias):
         calls.append(tuple(x.shape))
         return real(x, weight, bias)
 
-    monkeypatch.setattr("cookbook_lib.runtime.routed_linear._onednn_linear", counting)
+    monkeypatch.setattr("cookbook_lib.runtime.routed_linear.onednn_linear_forward", counting)
     return calls
 
 

@@ -43,7 +43,8 @@ SWITCH_VARIABLE = "COOKBOOK_ONEDNN_LINEAR"  # "0": never, "1": wherever it works
 MIN_SPEEDUP = 1.1
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed by oneDNN (no autograd): check :func:`runs_in_onednn` first."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -54,7 +55,7 @@ class OneDnnLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn_linear(x, weight, bias)
+        return onednn_linear_forward(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -63,10 +64,10 @@ class OneDnnLinearFunction(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # [rows, out]
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn_linear(grad_out, weight.t(), None)  # grad @ W: a linear by W^T
+            grad_x = onednn_linear_forward(grad_out, weight.t(), None)  # grad @ W: a linear by W^T
         if ctx.needs_input_grad[1]:
             # grad^T @ x, [out, in]: a linear of grad^T by x^T. Both transposed views, no copies.
-            grad_weight = _onednn_linear(grad_rows.t(), x.reshape(-1, x.shape[-1]).t(), None)
+            grad_weight = onednn_linear_forward(grad_rows.t(), x.reshape(-1, x.shape[-1]).t(), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_rows.sum(0)
         return grad_x, grad_weight, grad_bias
@@ -76,7 +77,7 @@ def measure_onednn_linear_speedup() -> float:
     """oneDNN's float32 linear rate over ``F.linear``'s on this CPU now (>1: oneDNN is faster), uncached."""
     x, weight = cpu_probe.linear_operands(torch.float32)
     with torch.inference_mode():
-        onednn = cpu_probe.fastest_seconds(lambda: _onednn_linear(x, weight, None))
+        onednn = cpu_probe.fastest_seconds(lambda: onednn_linear_forward(x, weight, None))
         return cpu_probe.seconds_per_linear(torch.float32) / onednn
 
 
@@ -104,7 +105,7 @@ def onednn_linear_works() -> bool:
     weight, bias = torch.randn(48, 64, generator=generator), torch.randn(48, generator=generator)
     try:
         with torch.inference_mode():
-            ours = _onednn_linear(x, weight, bias), _onednn_linear(x, weight, None)
+            ours = onednn_linear_forward(x, weight, bias), onednn_linear_forward(x, weight, None)
             theirs = F.linear(x, weight, bias), F.linear(x, weight)
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
@@ -116,7 +117,9 @@ def _is_cpu_float32(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype == torch.float32
 
 
-def _reroutable(x: object, weight: object, bias: object) -> bool:
+def runs_in_onednn(x: object, weight: object, bias: object) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` may go to :func:`onednn_linear_forward`: CPU float32
+    tensors of its shapes, outside autocast."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     return (
         all(_is_cpu_float32(t) for t in tensors)
@@ -146,10 +149,10 @@ class OneDnnLinears(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if _reroutable(x, weight, bias):
+            if runs_in_onednn(x, weight, bias):
                 if torch.is_grad_enabled():
                     return OneDnnLinearFunction.apply(x, weight, bias)
-                return _onednn_linear(x, weight, bias)
+                return onednn_linear_forward(x, weight, bias)
         return func(*args, **kwargs)
 
 

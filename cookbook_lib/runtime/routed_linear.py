@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from cookbook_lib.runtime.onednn_linear import _onednn_linear, _reroutable, onednn_linear_chosen
+from cookbook_lib.runtime.onednn_linear import onednn_linear_chosen, onednn_linear_forward, runs_in_onednn
 
 _routing = threading.local()  # .on: this thread's routed layers go to oneDNN now
 
@@ -44,7 +44,7 @@ class RoutedForward:
         if (
             getattr(_routing, "on", False)
             and not torch.is_grad_enabled()
-            and _reroutable(input, layer.weight, layer.bias)
+            and runs_in_onednn(input, layer.weight, layer.bias)
         ):
             return _batch_invariant_linear(input, layer.weight, layer.bias)
         return torch.nn.Linear.forward(layer, input)
@@ -56,9 +56,10 @@ def _batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     it computes in a batch, and seeded samples could differ with the batch around them. From 2 rows
     up each row's sums do not depend on the others (checked at 2-16 rows on an AMD EPYC)."""
     if x.numel() != x.shape[-1]:
-        return _onednn_linear(x, weight, bias)
+        return onednn_linear_forward(x, weight, bias)
     row = x.reshape(1, x.shape[-1])
-    return _onednn_linear(torch.cat([row, row]), weight, bias)[:1].reshape(*x.shape[:-1], weight.shape[0])
+    first_of_two = onednn_linear_forward(torch.cat([row, row]), weight, bias)[:1]
+    return first_of_two.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def route_linears(model: torch.nn.Module) -> int:
