@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -36,6 +37,7 @@ from transformers import GenerationConfig
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.runtime.devices import resolve_precision, sampling_copy
 from cookbook_lib.runtime.models import load_model, load_tokenizer
+from cookbook_lib.runtime.packed_linear import SWITCH_VARIABLE
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -119,6 +121,20 @@ def hf_generator(
     return asyncio.run(main())
 
 
+def unpacked(run: Callable[[], int]) -> int:
+    """``run`` with packing off (``COOKBOOK_PACK_LINEARS=0``): a shared model's routed layers then
+    call oneDNN on the plain weights, as before they were packed while sampling."""
+    before = os.environ.get(SWITCH_VARIABLE)
+    os.environ[SWITCH_VARIABLE] = "0"
+    try:
+        return run()
+    finally:
+        if before is None:
+            del os.environ[SWITCH_VARIABLE]
+        else:
+            os.environ[SWITCH_VARIABLE] = before
+
+
 def decode_target(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int, rounds: int) -> None:
     """Issue 20's decode target: what a run samples with now against a float32 padded ``generate``.
 
@@ -131,7 +147,10 @@ def decode_target(model, prompts: list[list[int]], new_tokens: int, pad_token_id
     config = sampling_config(new_tokens, pad_token_id)
     arms: dict[str, Callable[[], int]] = {
         "generate, padded batch, float32 (baseline)": lambda: padded_batch(model, prompts, config),
-        "HFGenerator, float32": lambda: hf_generator(model, prompts, new_tokens, pad_token_id),
+        "HFGenerator, float32, shared model, plain weights": lambda: unpacked(
+            lambda: hf_generator(model, prompts, new_tokens, pad_token_id)
+        ),
+        "HFGenerator, float32, shared model": lambda: hf_generator(model, prompts, new_tokens, pad_token_id),
         f"HFGenerator, sampling copy ({dtype}), packed": lambda: hf_generator(
             sampling_copy(model, precision), prompts, new_tokens, pad_token_id, pack_weights=True
         ),

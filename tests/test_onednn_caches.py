@@ -22,7 +22,7 @@ _SCRIPT = """
 import ctypes, json
 import cookbook_lib  # first: it bounds the caches before torch runs oneDNN
 import torch
-from cookbook_lib.runtime.packed_linear import _pack, _packed_linear
+from cookbook_lib.runtime.packed_linear import pack_weight, packed_linear_forward
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -37,13 +37,13 @@ def allocated():
     return info.uordblks + info.hblkhd
 
 weights = [torch.randn(shape).bfloat16() for shape in ((576, 576), (1536, 576))]
-packed = [_pack(w) for w in weights]
+packed = [pack_weight(w) for w in weights]
 with torch.inference_mode():
-    _packed_linear(torch.randn(1, 576).bfloat16(), packed[0], None)
+    packed_linear_forward(torch.randn(1, 576).bfloat16(), packed[0], None)
     before = allocated()
     for rows in range(2, 202):
         for p in packed:
-            _packed_linear(torch.randn(rows, 576).bfloat16(), p, None)
+            packed_linear_forward(torch.randn(rows, 576).bfloat16(), p, None)
 print(json.dumps({"grown": allocated() - before}))
 """
 

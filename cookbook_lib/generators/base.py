@@ -132,8 +132,8 @@ class Generator(abc.ABC):
         """Free the accelerator memory this generator holds, for a training step that needs it.
 
         Samples in flight finish first. The next ``sample`` or ``update_weights`` wakes the
-        generator. The lockstep loop calls this before each optimizer step; a generator that
-        shares no memory with training (``HFGenerator``) does nothing.
+        generator. The lockstep loop calls this before each optimizer step; ``HFGenerator`` lets
+        go of the packed weights a shared model's routed layers keep while sampling (CPU).
         """
 
     async def wake_up(self) -> None:  # noqa: B027 - optional, as sleep

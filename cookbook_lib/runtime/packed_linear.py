@@ -57,11 +57,13 @@ ROWS_HINT = 16
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on a weight :func:`pack_weight` packed (no autograd)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``) reordered into oneDNN's blocked layout: an opaque tensor of its size."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROWS_HINT)
 
 
@@ -72,7 +74,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         self.dtype = linear.weight.dtype
-        self.packed = _pack(linear.weight)
+        self.packed = pack_weight(linear.weight)
         # The bias stays a plain parameter: state_dict and the weight update treat it as before.
         self.bias = getattr(linear, "bias", None)
 
@@ -88,10 +90,10 @@ class PackedLinear(torch.nn.Module):
         # The old packing goes first: the new one (and the cast before it) can take its memory
         # instead of leaving a hole of its size in the heap at every update.
         del self.packed
-        self.packed = _pack(weight.to(device="cpu", dtype=self.dtype))
+        self.packed = pack_weight(weight.to(device="cpu", dtype=self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _packed_linear(x.to(self.dtype), self.packed, self.bias)
+        return packed_linear_forward(x.to(self.dtype), self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
@@ -110,7 +112,7 @@ class PackedGroup:
         self.in_features = linears[0].in_features
         self.dtype = linears[0].weight.dtype
         with torch.no_grad():
-            self.packed = _pack(torch.cat([linear.weight for linear in linears]))
+            self.packed = pack_weight(torch.cat([linear.weight for linear in linears]))
         self.biases = [linear.bias for linear in linears]  # each part's parameter, in the state dict
         self.bias = self._joined_bias()
         self._input: weakref.ref | None = None
@@ -127,7 +129,7 @@ class PackedGroup:
         for this very tensor and this part has not taken its slice yet."""
         fresh = self._input is not None and self._input() is x and self._outputs[index] is not None
         if not fresh:
-            joined = _packed_linear(x.to(self.dtype), self.packed, self.bias)
+            joined = packed_linear_forward(x.to(self.dtype), self.packed, self.bias)
             self._outputs = list(joined.split(self.sizes, dim=-1))
             self._input = weakref.ref(x)
         output, self._outputs[index] = self._outputs[index], None
@@ -140,7 +142,7 @@ class PackedGroup:
         packed weight (each output is one weight times 1 plus zeros)."""
         with torch.inference_mode():
             identity = torch.eye(self.in_features, dtype=self.dtype)
-            return _packed_linear(identity, self.packed, None).t().contiguous()
+            return packed_linear_forward(identity, self.packed, None).t().contiguous()
 
     def load(self, weights: Mapping[int, torch.Tensor]) -> None:
         """Repack with the parts in ``weights`` (part index: weight) replaced; the others kept."""
@@ -154,7 +156,7 @@ class PackedGroup:
         joined = torch.cat([part.to(device="cpu", dtype=self.dtype) for part in parts])
         del parts
         self.packed = None  # the old packing goes first, as in PackedLinear.load
-        self.packed = _pack(joined)
+        self.packed = pack_weight(joined)
         self.refresh_bias()
 
     def refresh_bias(self) -> None:
@@ -201,11 +203,11 @@ def packs(dtype: torch.dtype) -> bool:
     agree = torch.equal if dtype == torch.bfloat16 else _float32_close
     try:
         with torch.inference_mode():
-            packed = _pack(weight.to(dtype))
+            packed = pack_weight(weight.to(dtype))
             for rows in (1, ROWS_HINT, 37):
                 x = torch.randn(rows, 576, generator=generator).to(dtype)
                 for b in (None, bias.to(dtype)):
-                    if not agree(_packed_linear(x, packed, b), F.linear(x, weight.to(dtype), b)):
+                    if not agree(packed_linear_forward(x, packed, b), F.linear(x, weight.to(dtype), b)):
                         return False
     except (RuntimeError, AttributeError, NotImplementedError):  # e.g. bf16 on a CPU without AVX-512
         return False
