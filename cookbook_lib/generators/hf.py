@@ -136,7 +136,8 @@ class HFGenerator(WorkerGenerator):
             pack_linears(model)  # after reading the head's shape above: a packed head has no .weight
         if self.device.type == "cpu":
             # The linears left plain (all of them on a model the trainer shares) call oneDNN, where
-            # it is chosen, inside the worker's steps only (runtime/routed_linear.py).
+            # it is chosen, inside the worker's steps only, from weights packed while sampling
+            # where float32 packs; sleep() and close() let those go (runtime/routed_linear.py).
             route_linears(model)
         self._prefixes = PrefixCache(prefix_cache_entries, prefix_cache_tokens)  # worker thread only
         # Keys of kept prefixes whose episodes ended (forget_prefix), from any thread; the worker

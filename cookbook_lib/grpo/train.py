@@ -361,7 +361,9 @@ def _sampling_model(model: PreTrainedModel, precision: Precision, config: GRPOCo
 
     Lockstep never samples while it trains, and publishes after every optimizer step, so one
     ``hf`` generator in the trained dtype can sample from the trained model itself: a model's worth
-    of memory saved (0.54 GB for the embedded model). Async runs (sampling goes on while the
+    of memory saved (0.54 GB for the embedded model) beside the training step; while it samples,
+    its routed layers may hold packed copies of the weights (runtime/routed_linear.py), which the
+    lockstep loop's ``replicas.sleep()`` lets go before training. Async runs (sampling goes on while the
     weights change), several replicas, another sampling dtype, LoRA (the generator samples the
     merged weights) and vLLM get a copy; in lockstep a low-precision copy's float32 head is the
     trained head itself (``sampling_copy(share_head=True)``).
