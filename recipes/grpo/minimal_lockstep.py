@@ -249,6 +249,9 @@ async def run(s: Settings, tasks: list[Task] | None = None) -> list[StepRecord]:
                 list(flat[i : i + s.episodes_per_task]) for i in range(0, len(flat), s.episodes_per_task)
             ]
             samples = samples_of(groups)
+            # What the generator holds only for sampling goes before the training step (on CPUs
+            # where it packs the weights it samples with: a model's worth of memory).
+            await generator.sleep()
             loss, grad_norm = train_step(model, optimizer, samples, s) if samples else (math.nan, math.nan)
             if samples:  # new weights for the generator (here the same tensors: only its version moves)
                 await generator.update_weights(model.state_dict(), step)
