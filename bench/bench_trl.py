@@ -4,6 +4,8 @@
     python bench/bench_trl.py                           # 3 seeds x 5 steps, each side
     python bench/bench_trl.py --quick                   # 1 seed x 2 steps
     python bench/bench_trl.py --work=single-turn        # the single-turn work instead (below)
+    python bench/bench_trl.py --only=ours --ours-config=loss_normalizer=batch_groups
+                                                        # our side alone, with a setting changed
 
 The work: the tool-use game's tier-1 tasks (the demo's), 4 tasks x 4 episodes a step, at most 6
 turns of at most 48 new tokens, the demo's learning rate 5e-5 (``--learning-rate``), no KL term,
@@ -14,9 +16,10 @@ demo's expert warm-start through our trainer) and see the same tasks in the same
 plays ``lockstep.tasks_for_step(seed, s)``, TRL reads them from an unshuffled dataset.
 
 TRL (``GRPOTrainer`` with ``environment_factory``, the game's three tools as the environment's
-methods) keeps its defaults otherwise: its DAPO loss, gradient checkpointing, its generation
-through ``transformers``; ``bf16`` follows ``--dtype`` for both sides (float32 where the CPU has
-no native bf16, bf16 is 5-50x slower there: docs/benchmarks.md). Ours runs ``train_multi_turn``
+methods, its prompts showing our env's tool block token for token: ``show_tool_specs``) keeps its
+defaults otherwise: its DAPO loss, gradient checkpointing, its generation through ``transformers``;
+``bf16`` follows ``--dtype`` for both sides (float32 where the CPU has no native bf16, bf16 is
+5-50x slower there: docs/benchmarks.md). Ours runs ``train_multi_turn``
 with the demo's config, one sampling round a step (``max_sampling_attempts=1``), so both sample
 16 episodes a step. Each side runs in a fresh process per seed, the two alternating; a step's time
 is from the start of its sampling to the end of its optimizer step.
@@ -38,6 +41,8 @@ TRL is not one of our dependencies: ``--install`` puts it in its own folder (``p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -111,15 +116,47 @@ def tier1_tasks():
     return [t for t in load_tool_use_game_tasks("train") if str(t.metadata["tier"]) in DEMO_TIERS.split(",")]
 
 
-def our_config(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float):
+def our_config(
+    model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float,
+    overrides: dict | None = None,
+):  # fmt: skip
     from recipes.grpo.tool_use_game import demo_config
 
-    return demo_config(
+    config = demo_config(
         model=str(model), run_name=f"ours-seed{seed}", runs_dir=str(work_dir), seed=seed, num_steps=steps,
         batch_size=GROUPS, episodes_per_task=GROUP_SIZE, max_turns=MAX_TURNS,
         max_tokens_per_turn=MAX_TOKENS_PER_TURN, learning_rate=learning_rate, max_sampling_attempts=1,
         validation_interval=0, checkpoint_interval=0, final_checkpoint="none", dtype=dtype,
     )  # fmt: skip
+    return with_overrides(config, overrides)
+
+
+def with_overrides(config, overrides: dict | None):
+    """``config`` with ``--ours-config``'s settings, in a run folder named after them."""
+    if not overrides:
+        return config
+    tag = "-".join(f"{key}={value}" for key, value in sorted(overrides.items()))
+    name = config.run_name.replace("-seed", f"-{tag}-seed")
+    config = dataclasses.replace(config, run_name=name, **overrides)
+    config.validate()
+    return config
+
+
+def parse_overrides(settings: list[str]) -> dict:
+    """``KEY=VALUE`` strings as GRPOConfig settings, the values read as YAML (``1e-5``, ``false``)."""
+    import yaml
+
+    overrides = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--ours-config takes KEY=VALUE, got {setting!r}")
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                parsed = float(parsed)
+        overrides[key.strip()] = parsed
+    return overrides
 
 
 def math_level1_tasks():
@@ -128,16 +165,20 @@ def math_level1_tasks():
     return [task for task in load_math_tasks("train") if task.metadata.get("level") == 1]
 
 
-def single_turn_config(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float):
+def single_turn_config(
+    model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float,
+    overrides: dict | None = None,
+):  # fmt: skip
     from cookbook_lib.grpo.config import GRPOConfig
 
-    return GRPOConfig(
+    config = GRPOConfig(
         model=str(model), run_name=f"ours-single-seed{seed}", runs_dir=str(work_dir), seed=seed,
         num_steps=steps, batch_size=SINGLE_GROUPS, episodes_per_task=SINGLE_GROUP_SIZE, max_turns=1,
         max_model_length=512, max_tokens_per_turn=SINGLE_MAX_TOKENS, micro_batch_tokens=2048,
         learning_rate=learning_rate, max_sampling_attempts=1, validation_interval=0,
         checkpoint_interval=0, final_checkpoint="none", dtype=dtype, wandb_project=None,
     )  # fmt: skip
+    return with_overrides(config, overrides)
 
 
 def report(side: str, seed: int, step: int, seconds: float, reward: float) -> None:
@@ -148,11 +189,14 @@ def report(side: str, seed: int, step: int, seconds: float, reward: float) -> No
 # ---------------------------------------------------------------- our side
 
 
-def run_ours(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
+def run_ours(
+    model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float,
+    overrides: dict | None = None,
+) -> None:  # fmt: skip
     from cookbook_lib.grpo.train import train_multi_turn
     from envs.tool_use_game import ToolUseGameEnv
 
-    config = our_config(model, seed, steps, dtype, work_dir, learning_rate)
+    config = our_config(model, seed, steps, dtype, work_dir, learning_rate, overrides)
     shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
     train_multi_turn(
         config, tasks=tier1_tasks(), env_factory=lambda task: ToolUseGameEnv(),
@@ -161,12 +205,13 @@ def run_ours(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, lea
 
 
 def run_ours_single(
-    model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float
-) -> None:
+    model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float,
+    overrides: dict | None = None,
+) -> None:  # fmt: skip
     from cookbook_lib.grpo.train import train_single_turn
     from recipes.grpo.single_turn import SYSTEM_PROMPT
 
-    config = single_turn_config(model, seed, steps, dtype, work_dir, learning_rate)
+    config = single_turn_config(model, seed, steps, dtype, work_dir, learning_rate, overrides)
     shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
     train_single_turn(
         config, tasks=math_level1_tasks(), system_prompt=SYSTEM_PROMPT,
@@ -299,6 +344,7 @@ def trl_rows(config, tasks: list, groups: int, system_prompt: str) -> tuple[list
 
 
 def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float) -> None:
+    from envs.tool_use_game import ToolUseGameEnv
     from envs.tool_use_game.env import SYSTEM_PROMPT
 
     config = our_config(model, seed, steps, dtype, work_dir, learning_rate)
@@ -308,6 +354,7 @@ def run_trl(model: Path, seed: int, steps: int, dtype: str, work_dir: Path, lear
         model, seed, steps, dtype, work_dir / f"trl-seed{seed}", learning_rate, rows, game_reward,
         groups=GROUPS, group_size=GROUP_SIZE, max_completion_length=TRL_MAX_COMPLETION_TOKENS,
         max_tool_calling_iterations=MAX_TURNS - 1, environment_factory=_GameTools,
+        tool_specs=ToolUseGameEnv().tool_specs,
     )  # fmt: skip
 
 
@@ -338,10 +385,12 @@ def _train_trl(
     group_size: int,
     max_completion_length: int,
     environment_factory: type | None = None,
+    tool_specs: list[dict] | None = None,
     **trl_settings,
 ) -> None:
     """TRL's ``GRPOTrainer`` with its defaults on ``rows`` (one step's ``groups`` prompts after the
-    other, unshuffled), reporting each step's time and reward."""
+    other, unshuffled), reporting each step's time and reward. ``tool_specs``: the tool block its
+    prompts show (the environment's methods still run the calls)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import datasets.arrow_dataset
     import datasets.fingerprint
@@ -384,7 +433,26 @@ def _train_trl(
         callbacks=[StepClock()],
         **({"environment_factory": environment_factory} if environment_factory else {}),
     )
+    if tool_specs is not None:
+        show_tool_specs(trainer, tool_specs)
     trainer.train()
+
+
+def show_tool_specs(trainer, tool_specs: list[dict]) -> None:
+    """Make ``trainer`` render (and parse with) ``tool_specs`` instead of the schemas it builds from
+    its environment's methods.
+
+    TRL lists an environment's methods alphabetically and adds each one's return type to its schema,
+    so its prompts showed a tool block other than the one the model was warm-started on (468 tokens
+    against our 443: another order, a ``return`` field, no ``additionalProperties``). Its first steps
+    then scored lower than ours on the same model and tasks (0.52 against 0.73 a step, sessions 18
+    and 29), which is the prompt, not the algorithm. TRL 1.16 keeps the rendered tools in
+    ``_env_tools`` (used to render prompts and to read calls); the calls still run through the
+    environment's methods (``_sync_tool_dicts``).
+    """
+    if not isinstance(getattr(trainer, "_env_tools", None), dict) or not trainer._env_tools:
+        raise SystemExit("this TRL has no environment tools in `_env_tools`: the bench pins trl==1.16.0")
+    trainer._env_tools = {name: list(tool_specs) for name in trainer._env_tools}
 
 
 # ---------------------------------------------------------------- the driver
@@ -400,6 +468,8 @@ def run_side(side: str, model: Path, seed: int, steps: int, args: argparse.Names
     command = [sys.executable, __file__, f"--side={side}", f"--model={model}", f"--seed={seed}",
                f"--steps={steps}", f"--dtype={args.dtype}", f"--work-dir={args.work_dir}",
                f"--learning-rate={args.learning_rate}", f"--work={args.work}"]  # fmt: skip
+    if side == "ours":
+        command += [f"--ours-config={setting}" for setting in args.ours_config]
     started = time.perf_counter()
     process = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     records = [
@@ -422,17 +492,20 @@ def summarise(records: list[dict], steps: int, shape: str) -> None:
         return statistics.median(r["seconds"] for r in records if r["side"] == side)
 
     seeds = sorted({r["seed"] for r in records})
+    sides = [side for side in ("ours", "trl") if any(r["side"] == side for r in records)]
     print(f"\nreward per step, mean over {len(seeds)} seed(s) (each step: {shape}):")
-    for side in ("ours", "trl"):
+    for side in sides:
         curve = per_step(side)
         print(
             f"  {side:<4} "
             + "  ".join(f"{value:.3f}" for value in curve)
             + f"   mean {statistics.mean(curve):.3f}"
         )
-    ours, trl = step_seconds("ours"), step_seconds("trl")
-    print(f"median step time: ours {ours:.1f} s, TRL {trl:.1f} s: ours / TRL = {ours / trl:.2f}x")
-    for side, seconds in (("ours", ours), ("trl", trl)):
+    seconds_by_side = {side: step_seconds(side) for side in sides}
+    if len(sides) == 2:
+        ours, trl = seconds_by_side["ours"], seconds_by_side["trl"]
+        print(f"median step time: ours {ours:.1f} s, TRL {trl:.1f} s: ours / TRL = {ours / trl:.2f}x")
+    for side, seconds in seconds_by_side.items():
         rewards = [r["reward"] for r in records if r["side"] == side]
         print(f"  {side:<4} mean reward {statistics.mean(rewards):.3f} a step, "
               f"{statistics.mean(rewards) / (seconds / 60):.3f} a wall-minute of steps")  # fmt: skip
@@ -451,6 +524,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--learning-rate", type=float, default=None, help="default: the demo's 5e-5; single-turn's 2e-5"
     )
+    parser.add_argument(
+        "--ours-config", action="append", default=[], metavar="KEY=VALUE",
+        help="a GRPOConfig setting of our side (repeatable), e.g. loss_normalizer=batch_groups",
+    )  # fmt: skip
+    parser.add_argument("--only", choices=("ours", "trl"), help="run one side only (its seeds and steps)")
     parser.add_argument("--side", choices=("prepare", "ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -464,12 +542,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.side == "prepare":
         prepare(args.work_dir, args.dtype)
         return
-    if args.side:
-        runners = {"ours": (run_ours, run_ours_single), "trl": (run_trl, run_trl_single)}
-        runner = runners[args.side][single]
+    overrides = parse_overrides(args.ours_config)
+    if args.side == "ours":
+        runner = run_ours_single if single else run_ours
+        runner(args.model, args.seed, args.steps, args.dtype, args.work_dir, args.learning_rate, overrides)
+        return
+    if args.side == "trl":
+        runner = run_trl_single if single else run_trl
         runner(args.model, args.seed, args.steps, args.dtype, args.work_dir, args.learning_rate)
         return
-    if not (args.trl_dir / "trl").is_dir():
+    if args.only != "ours" and not (args.trl_dir / "trl").is_dir():
         raise SystemExit(f"TRL is not in {args.trl_dir}: run `python bench/bench_trl.py --install` first")
     seeds, steps = (1, 2) if args.quick else (args.seeds, args.steps)
     warm_started = args.work_dir / "prepare" / "warm_start_model"
@@ -490,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     records: list[dict] = []
     for seed in range(seeds):
         order = ("ours", "trl") if seed % 2 == 0 else ("trl", "ours")
-        for side in order:
+        for side in order if args.only is None else (args.only,):
             records += run_side(side, model, seed, steps, args)
     summarise(records, steps, shape)
 

@@ -57,7 +57,7 @@ def episodes(vocab: int, seed: int = 0) -> list[TrainingSample]:
     return samples
 
 
-def step_gradients(trainer: PolicyTrainer, samples, settings):
+def step_gradients(trainer: PolicyTrainer, samples, settings, counts=None):
     captured = {}
 
     def capture() -> None:
@@ -66,5 +66,5 @@ def step_gradients(trainer: PolicyTrainer, samples, settings):
         )
 
     trainer.optimizer.step = capture
-    metrics = trainer.grpo_step(samples, settings)
+    metrics = trainer.grpo_step(samples, settings, counts)
     return metrics, captured

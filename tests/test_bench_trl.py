@@ -107,3 +107,35 @@ def test_trls_dataset_is_the_tasks_our_side_samples_in_order():
         {"role": "system", "content": "Reply with a number."},
         {"role": "user", "content": ordered[5].prompt},
     ]
+
+
+def test_ours_config_settings_are_read_as_yaml_and_name_their_run_folder(tmp_path):
+    overrides = bench_trl.parse_overrides(["loss_normalizer=batch_groups", "learning_rate=1e-5"])
+    assert overrides == {"loss_normalizer": "batch_groups", "learning_rate": 1e-5}
+    config = bench_trl.our_config(tmp_path / "model", 2, 5, "float32", tmp_path, 5e-5, overrides)
+    assert (config.loss_normalizer, config.learning_rate) == ("batch_groups", 1e-5)
+    assert config.run_name == "ours-learning_rate=1e-05-loss_normalizer=batch_groups-seed2"
+    assert bench_trl.our_config(tmp_path / "model", 2, 5, "float32", tmp_path, 5e-5).run_name == "ours-seed2"
+
+
+@pytest.mark.parametrize("bad", ["loss_normalizer", "=1"])
+def test_an_ours_config_setting_without_a_key_and_value_is_refused(bad):
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench_trl.parse_overrides([bad])
+
+
+def test_an_unknown_value_fails_before_any_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="loss_normalizer"):
+        bench_trl.our_config(tmp_path, 0, 1, "float32", tmp_path, 5e-5, {"loss_normalizer": "all"})
+
+
+def test_trl_is_made_to_show_our_tool_block_and_a_trl_without_it_is_refused():
+    class Trainer:
+        _env_tools = {"_GameTools": [bench_trl._GameTools().lookup]}
+
+    specs = ToolUseGameEnv().tool_specs
+    trainer = Trainer()
+    bench_trl.show_tool_specs(trainer, specs)
+    assert trainer._env_tools == {"_GameTools": specs}
+    with pytest.raises(SystemExit, match="pins trl"):
+        bench_trl.show_tool_specs(object(), specs)

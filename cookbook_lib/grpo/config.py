@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from cookbook_lib.grpo.loss_settings import ImportanceRatioLevel, LossAggregation, LossType
+from cookbook_lib.grpo.loss_settings import ImportanceRatioLevel, LossAggregation, LossNormalizer, LossType
 from cookbook_lib.types import DEFAULT_MAX_TOKENS_PER_TURN
 
 # Kept equal to cookbook_lib.runtime.models.DEFAULT_MODEL (a test pins it); not imported from there
@@ -261,6 +261,13 @@ class GRPOConfig:
     """Ratio per token, or one per sequence, the geometric mean of the token ratios (GSPO)."""
     loss_aggregation: LossAggregation = "token_mean"
     """Mean over all tokens, mean of per-episode means, or sum / fixed horizon (Dr. GRPO, no length bias)."""
+    loss_normalizer: LossNormalizer = "trained_groups"
+    """What the aggregation's counts (tokens, sequences) cover. ``trained_groups``: the groups the
+    step trains, so a step whose only signal is one group moves the weights as far as a step of
+    ``batch_size`` such groups. ``batch_groups``: the step's ``batch_size`` groups, zero-variance
+    groups included where resampling did not replace them (their advantage is 0: they add to the
+    count, not the gradient), as TRL's and verl's GRPO losses count them: a step with less signal
+    takes a smaller step."""
     clip_ratio_low: float = _setting(0.2, at_least=0)
     """Ratio clipped below at 1 - clip_ratio_low. (GSPO's paper uses ~3e-4 with sequence ratios.)"""
     clip_ratio_high: float = _setting(0.28, at_least=0)

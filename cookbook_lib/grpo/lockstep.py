@@ -20,7 +20,7 @@ from cookbook_lib.grpo.advantages import group_has_signal
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.length_mix import add_dropped_groups, trained_length_metrics
 from cookbook_lib.grpo.loss_settings import LossSettings
-from cookbook_lib.grpo.samples import SampleBatch, TrainingSample, build_samples, version_mix
+from cookbook_lib.grpo.samples import LossCounts, SampleBatch, TrainingSample, build_samples, version_mix
 from cookbook_lib.grpo.step import RunContext, StepOutcome, StepTimes, no_pause
 from cookbook_lib.grpo.trainer import PolicyTrainer
 from cookbook_lib.grpo.weight_sync import GeneratorReplicas
@@ -128,6 +128,19 @@ def step_samples(
     return batch, [sample for sample in batch.samples if sample.group_index in keep], keep
 
 
+def loss_counts(
+    config: GRPOConfig, batch: SampleBatch, samples: Sequence[TrainingSample], keep: set[int]
+) -> LossCounts:
+    """The counts the step's loss is normalised by (``GRPOConfig.loss_normalizer``): its samples',
+    plus, for ``batch_groups``, the zero-variance groups that stand in for the ``batch_size``
+    groups with signal the step lacks (the first ones sampled)."""
+    counts = LossCounts.of(samples)
+    if config.loss_normalizer == "batch_groups":
+        for extra in batch.zero_variance_counts[: max(config.batch_size - len(keep), 0)]:
+            counts += extra
+    return counts
+
+
 def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], trainer: PolicyTrainer) -> dict:
     """Build samples from ``groups`` and take one optimizer step on them (if any has signal).
 
@@ -140,9 +153,9 @@ def train_on_groups(config: GRPOConfig, groups: Sequence[Sequence[Episode]], tra
     # Episode stats last: reward_mean over every episode, as validation's val/reward_mean is.
     metrics: dict[str, float] = {**batch.stats.metrics(), **episode_stats(episodes)}
     if samples:
-        metrics |= {
-            f"train/{k}": v for k, v in trainer.grpo_step(samples, LossSettings.from_config(config)).items()
-        }
+        counts = loss_counts(config, batch, samples, keep)
+        settings = LossSettings.from_config(config)
+        metrics |= {f"train/{k}": v for k, v in trainer.grpo_step(samples, settings, counts).items()}
     metrics["trained_groups"] = float(len(keep))
     metrics |= {f"train/{k}": v for k, v in version_mix(samples).items()}
     # The length mix of what trained (lockstep's is the reference an async run is compared with).

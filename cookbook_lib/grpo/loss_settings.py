@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 LossType = Literal["ppo_clip", "cispo"]
 ImportanceRatioLevel = Literal["token", "sequence"]
 LossAggregation = Literal["token_mean", "sequence_mean", "fixed_horizon"]
+LossNormalizer = Literal["trained_groups", "batch_groups"]
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ FIXED_ON_RESUME: tuple[str, ...] = (
     "loss_type",
     "importance_ratio_level",
     "loss_aggregation",
+    "loss_normalizer",
     "clip_ratio_low",
     "clip_ratio_high",
     "kl_coef",

@@ -96,11 +96,29 @@ class SampleBatch:
     samples: list[TrainingSample]
     trained_group_indices: list[int]  # groups that gave signal (they may still give no samples)
     stats: SampleStats
+    # Per zero-variance group, in order: what its episodes would add to the loss's counts (their
+    # sampled tokens and token sequences) had they been trained; see ``GRPOConfig.loss_normalizer``.
+    zero_variance_counts: list[LossCounts] = field(default_factory=list)
 
     @property
     def num_loss_tokens(self) -> int:
         """The token-mean normaliser for the whole step (pass it to every micro-batch's loss)."""
         return sum(sample.num_loss_tokens for sample in self.samples)
+
+
+@dataclass(frozen=True)
+class LossCounts:
+    """What a set of samples adds to the loss's normalisers: trained tokens and token sequences."""
+
+    tokens: int
+    sequences: int
+
+    @classmethod
+    def of(cls, samples: Sequence[TrainingSample]) -> LossCounts:
+        return cls(sum(sample.num_loss_tokens for sample in samples), len(samples))
+
+    def __add__(self, other: LossCounts) -> LossCounts:
+        return LossCounts(self.tokens + other.tokens, self.sequences + other.sequences)
 
 
 def build_samples(
@@ -122,6 +140,7 @@ def build_samples(
     stats = SampleStats(num_groups=len(groups))
     samples: list[TrainingSample] = []
     trained: list[int] = []
+    zero_variance_counts: list[LossCounts] = []
     for group_index, group in enumerate(groups):
         stats.num_episodes += len(group)
         usable = [i for i, episode in enumerate(group) if is_usable(episode)]
@@ -140,34 +159,51 @@ def build_samples(
         stats.rewards += rewards_G
         stats.shaped += shaped_G
         stats.num_penalised_episodes += sum(s != r for s, r in zip(shaped_G, rewards_G, strict=True))
-        if is_zero_variance(shaped_G, zero_variance_tol):
+        zero_variance = is_zero_variance(shaped_G, zero_variance_tol)
+        if zero_variance:
             stats.num_zero_variance_groups += 1
-            continue
-        trained.append(group_index)
-        advantages_G = group_advantages(shaped_G, normalize_by_std, eps)
+        else:
+            trained.append(group_index)
+        if zero_variance:
+            advantages_G = [0.0] * len(shaped_G)
+        else:
+            advantages_G = group_advantages(shaped_G, normalize_by_std, eps)
+        group_samples: list[TrainingSample] = []
         for episode_index, episode, advantage, reward in zip(
             usable, episodes_G, advantages_G, shaped_G, strict=True
         ):
             if overlong_masking and episode.truncated:
-                stats.num_masked_episodes += 1
+                stats.num_masked_episodes += not zero_variance
                 continue
-            for sequence in episode.token_sequences():
-                if not any(sequence.assistant_mask_T):
-                    continue
-                samples.append(
-                    TrainingSample(
-                        tokens_T=list(sequence.tokens_T),
-                        loss_mask_T=list(sequence.assistant_mask_T),
-                        sampling_logprobs_T=list(sequence.sampling_logprobs_T),
-                        policy_versions_T=list(sequence.policy_versions_T),
-                        advantage=advantage,
-                        group_index=group_index,
-                        episode_index=episode_index,
-                        end_cause=episode.end_cause,
-                        reward=reward,
-                    )
-                )
-    return SampleBatch(samples=samples, trained_group_indices=trained, stats=stats)
+            group_samples += episode_samples(episode, group_index, episode_index, advantage, reward)
+        if zero_variance:
+            zero_variance_counts.append(LossCounts.of(group_samples))
+        else:
+            samples += group_samples
+    return SampleBatch(
+        samples=samples, trained_group_indices=trained, stats=stats, zero_variance_counts=zero_variance_counts
+    )
+
+
+def episode_samples(
+    episode: Episode, group_index: int, episode_index: int, advantage: float, reward: float
+) -> list[TrainingSample]:
+    """One sample per token sequence of ``episode`` that holds sampled tokens."""
+    return [
+        TrainingSample(
+            tokens_T=list(sequence.tokens_T),
+            loss_mask_T=list(sequence.assistant_mask_T),
+            sampling_logprobs_T=list(sequence.sampling_logprobs_T),
+            policy_versions_T=list(sequence.policy_versions_T),
+            advantage=advantage,
+            group_index=group_index,
+            episode_index=episode_index,
+            end_cause=episode.end_cause,
+            reward=reward,
+        )
+        for sequence in episode.token_sequences()
+        if any(sequence.assistant_mask_T)
+    ]
 
 
 def version_mix(samples: Sequence[TrainingSample]) -> dict[str, float]:

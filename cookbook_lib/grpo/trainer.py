@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from cookbook_lib.grpo.loss_settings import LossSettings
 from cookbook_lib.grpo.losses import compute_loss, masked_sum, row_entropies, token_logprobs
-from cookbook_lib.grpo.samples import TrainingSample, collate, pack_micro_batches
+from cookbook_lib.grpo.samples import LossCounts, TrainingSample, collate, pack_micro_batches
 from cookbook_lib.grpo.shared_prefix import (
     attention_mask_4d,
     build_prefix_tree,
@@ -253,10 +253,13 @@ class PolicyTrainer:
         return {key: value.to(self.device) for key, value in batch.items()}
 
     # --- steps -----------------------------------------------------------------------------------
-    def grpo_step(self, samples: Sequence[TrainingSample], settings: LossSettings) -> dict[str, float]:
-        """One optimizer step of the GRPO loss on ``samples`` (a whole step's batch)."""
-        num_tokens = float(sum(sample.num_loss_tokens for sample in samples))
-        num_sequences = float(len(samples))
+    def grpo_step(
+        self, samples: Sequence[TrainingSample], settings: LossSettings, counts: LossCounts | None = None
+    ) -> dict[str, float]:
+        """One optimizer step of the GRPO loss on ``samples`` (a whole step's batch), its
+        aggregation normalised by ``counts`` (default: the samples' own tokens and sequences)."""
+        counts = counts or LossCounts.of(samples)
+        num_tokens, num_sequences = float(counts.tokens), float(counts.sequences)
 
         def micro_loss(batch: Batch, logprobs_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             reference_BT = None
