@@ -22,7 +22,9 @@ defaults otherwise: its DAPO loss, gradient checkpointing, its generation throug
 5-50x slower there: docs/benchmarks.md). Ours runs ``train_multi_turn``
 with the demo's config, one sampling round a step (``max_sampling_attempts=1``), so both sample
 16 episodes a step. Each side runs in a fresh process per seed, the two alternating; a step's time
-is from the start of its sampling to the end of its optimizer step.
+is from the start of its sampling to the end of its optimizer step. Each side's episodes are kept
+(ours in ``ours-seedN/episodes/``, TRL's completions and rewards in ``trl-seedN/completions.jsonl``):
+``bench/episode_stats.py`` tables what each side's policy did, step by step.
 
 ``--work=single-turn``: GRPO's classic setting, as ``recipes/grpo/single_turn.py`` runs it: the
 level-1 arithmetic tasks answered in one reply of at most 16 tokens, 4 tasks x 8 episodes a step,
@@ -66,6 +68,7 @@ DEMO_LEARNING_RATE = 5e-5  # the demo's; --learning-rate changes it for both sid
 # TRL budgets a whole episode's tokens after the prompt (tool results included), not a turn's.
 TRL_MAX_COMPLETION_TOKENS = 384
 RESULT = "BENCH_TRL_STEP"
+COMPLETIONS_FILE = "completions.jsonl"  # TRL's episodes, a line a step (``recorded``)
 # The single-turn work (recipes/grpo/single_turn.py's settings, one sampling round a step).
 SINGLE_GROUPS, SINGLE_GROUP_SIZE, SINGLE_MAX_TOKENS = 4, 8, 16
 SINGLE_LEARNING_RATE = 2e-5
@@ -424,9 +427,11 @@ def _train_trl(
         report_to="none", save_strategy="no", disable_tqdm=True, lr_scheduler_type="constant",
         **trl_settings,
     )  # fmt: skip
+    completions_file = output_dir / COMPLETIONS_FILE
+    completions_file.unlink(missing_ok=True)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(str(model), dtype="float32"),
-        reward_funcs=reward,
+        reward_funcs=recorded(reward, completions_file),
         args=args,
         train_dataset=Dataset.from_dict(rows),
         processing_class=AutoTokenizer.from_pretrained(str(model), padding_side="left"),
@@ -436,6 +441,28 @@ def _train_trl(
     if tool_specs is not None:
         show_tool_specs(trainer, tool_specs)
     trainer.train()
+
+
+def recorded(reward, path: Path):
+    """``reward``, also appending each call's completions and rewards to ``path`` as one JSON line
+    (``{"step": n, "episodes": [{"messages", "target", "reward"}]}``): TRL scores a step's whole
+    generation batch in one call, so the n-th call is step n. ``--episode-stats`` reads them."""
+    calls = [0]
+
+    def score(completions: list[list[dict]], target: list[str], **kwargs) -> list[float]:
+        rewards = reward(completions, target, **kwargs)
+        calls[0] += 1
+        episodes = [
+            {"messages": messages, "target": wanted, "reward": value}
+            for messages, wanted, value in zip(completions, target, rewards, strict=True)
+        ]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write(json.dumps({"step": calls[0], "episodes": episodes}, default=str) + "\n")
+        return rewards
+
+    score.__name__ = reward.__name__  # TRL names its per-function reward metric after it
+    return score
 
 
 def show_tool_specs(trainer, tool_specs: list[dict]) -> None:
