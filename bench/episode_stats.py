@@ -7,8 +7,9 @@ completions (``trl-seedN/completions.jsonl``, written by ``bench_trl.recorded``)
 side and step, averaged over every seed found: the reward, the replies and tool calls an episode
 took, the share of tool results that were errors, and the shares of episodes that called
 ``lookup`` without a key, repeated a call they had already made (the loops a collapsing policy
-falls into), ended at the turn limit, or gave a final answer. Reward alone says that one side
-learned less; these say what its policy did instead.
+falls into), ended at the turn limit, or ended on a reply without a tool call ("answered"; a reply
+that could not be read as a call counts, as both sides score it as a final answer, ~always 0).
+Reward alone says that one side learned less; these say what its policy did instead.
 
 Both sides' conversations are read the same way: the messages after the prompt, an assistant
 message's ``tool_calls`` with their arguments (a JSON string on our side, a dict on TRL's), and a
