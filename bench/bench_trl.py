@@ -446,7 +446,7 @@ def _train_trl(
 def recorded(reward, path: Path):
     """``reward``, also appending each call's completions and rewards to ``path`` as one JSON line
     (``{"step": n, "episodes": [{"messages", "target", "reward"}]}``): TRL scores a step's whole
-    generation batch in one call, so the n-th call is step n. ``--episode-stats`` reads them."""
+    generation batch in one call, so the n-th call is step n. ``bench/episode_stats.py`` reads them."""
     calls = [0]
 
     def score(completions: list[list[dict]], target: list[str], **kwargs) -> list[float]:

@@ -26,6 +26,10 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench_trl import COMPLETIONS_FILE, MAX_TURNS
+
+from cookbook_lib.envs.tools import TOOL_ERROR_PREFIX
+
 COLUMNS = (
     ("reward", "reward"),
     ("replies", "replies"),
@@ -36,8 +40,7 @@ COLUMNS = (
     ("turn_limit", "turn limit"),
     ("answered", "answered"),
 )
-OUR_ERROR_PREFIX = "tool_error:"
-TRL_ERROR_PREFIX = "{'error'"
+TRL_ERROR_PREFIX = "{'error'"  # TRL 1.16's tool loop turns a failing call into str({"error": ...})
 
 
 def call_arguments(call: dict) -> dict | None:
@@ -57,7 +60,7 @@ def conversation_stats(messages: list[dict], reward: float, max_turns: int) -> d
     results = [m for m in messages if m.get("role") == "tool"]
     calls = [call for reply in replies for call in reply.get("tool_calls") or []]
     errors = sum(
-        str(m.get("content") or "").startswith((OUR_ERROR_PREFIX, TRL_ERROR_PREFIX)) for m in results
+        str(m.get("content") or "").startswith((TOOL_ERROR_PREFIX, TRL_ERROR_PREFIX)) for m in results
     )
     seen: set[str] = set()
     repeated = keyless = False
@@ -100,7 +103,7 @@ def our_episodes(run_dir: Path) -> Iterator[tuple[int, list[dict], float]]:
 
 def trl_episodes(run_dir: Path) -> Iterator[tuple[int, list[dict], float]]:
     """(step, completion messages, reward) of each episode TRL sampled."""
-    path = run_dir / "completions.jsonl"
+    path = run_dir / COMPLETIONS_FILE
     for line in path.read_text().splitlines() if path.is_file() else []:
         record = json.loads(line)
         for episode in record["episodes"]:
@@ -122,7 +125,10 @@ def side_table(
 
 def print_tables(work_dir: Path, max_turns: int) -> None:
     for side, prefix, reader in (("ours", "ours-seed", our_episodes), ("TRL", "trl-seed", trl_episodes)):
-        runs = sorted(p for p in work_dir.glob(f"{prefix}*") if p.name[len(prefix) :].isdigit())
+        runs = sorted(
+            (p for p in work_dir.glob(f"{prefix}*") if p.name[len(prefix) :].isdigit()),
+            key=lambda p: int(p.name[len(prefix) :]),
+        )
         table = side_table((item for run in runs for item in reader(run)), max_turns)
         if not table:
             print(f"{side}: no episodes under {work_dir}/{prefix}N")
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         "--work-dir", type=Path, default=Path(__file__).resolve().parents[1] / "runs" / "bench_trl"
     )
     parser.add_argument(
-        "--max-turns", type=int, default=6, help="the runs' turn limit (bench_trl's MAX_TURNS)"
+        "--max-turns", type=int, default=MAX_TURNS, help="the runs' turn limit (bench_trl's MAX_TURNS)"
     )
     args = parser.parse_args(argv)
     print_tables(args.work_dir, args.max_turns)
