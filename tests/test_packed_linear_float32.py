@@ -87,6 +87,20 @@ def test_at_the_embedded_models_shapes_packed_equals_the_plain_onednn_linear_bit
         assert torch.equal(PackedLinear(linear)(x), expected)
 
 
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (576, 1536), (49152, 576)])
+def test_a_lone_row_computes_what_it_computes_in_a_batch(shape):
+    """A decode step whose other rows have finished: bit for bit the row's numbers in the batch (the
+    one-row kernel sums in its own order, at 576x1536 even from a packed weight on an AVX-512 Xeon)."""
+    generator = torch.Generator().manual_seed(0)
+    layer = PackedLinear(torch.nn.Linear(shape[1], shape[0], bias=True))
+    batch = torch.randn(16, 1, shape[1], generator=generator)
+    with torch.inference_mode():
+        together = layer(batch)
+        for row in (0, 7, 15):
+            assert torch.equal(layer(batch[row : row + 1]), together[row : row + 1])
+        assert torch.equal(layer(batch[3]), together[3])  # [1, hidden]: the same, in its own shape
+
+
 def test_sibling_projections_are_packed_together_in_float32(sharp_model):
     model = _copy(sharp_model)
     pack_linears(model)

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,29 @@ MIN_SPEEDUP = 1.1
 def onednn_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed by oneDNN (no autograd): check :func:`runs_in_onednn` first."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def lone_row_as_first_of_two(
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``linear(x, weight, bias)`` (oneDNN's, from a plain or a packed weight), a lone row computed as
+    the first of two.
+
+    oneDNN's one-row kernels sum in another order (~1e-4 apart at the embedded model's sizes), so a
+    row decoded alone would not compute what it computes in a batch, and seeded samples could differ
+    with the batch around them. From 2 rows up each row's sums do not depend on the others, and a
+    packed weight's sums are the plain weight's (checked at 2-16 rows on a 2-core AMD EPYC and on an
+    AVX-512 Xeon). The plain float32 one-row kernel differs from the batch on both CPUs; the packed
+    one does on the Xeon at some shapes (576x1536, the embedded model's down projection).
+    """
+    if x.numel() != x.shape[-1]:
+        return linear(x, weight, bias)
+    row = x.reshape(1, x.shape[-1])
+    first_of_two = linear(torch.cat([row, row]), weight, bias)[:1]
+    return first_of_two.reshape(*x.shape[:-1], first_of_two.shape[-1])
 
 
 class OneDnnLinearFunction(torch.autograd.Function):

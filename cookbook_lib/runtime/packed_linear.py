@@ -24,9 +24,10 @@ the packed weights as the model did.
 
 Float32 linears are packed too where the trainer's float32 linears run in oneDNN
 (``onednn_linear.onednn_linear_chosen``: CPUs where MKL's sgemm is slow, such as AMD's). There the
-packed kernel gives the plain oneDNN linear's sums bit for bit from 2 rows up (one row takes a
-matrix-vector kernel, within float32 rounding), and a 16-row decode step's linears, which read all
-0.54 GB of the embedded model's float32 weights, take ~0.75x the time: on a 2-core AMD EPYC without
+packed kernel gives the plain oneDNN linear's sums bit for bit from 2 rows up (a lone row is
+computed as the first of two, ``onednn_linear.lone_row_as_first_of_two``: the one-row kernels sum
+in their own order), and a 16-row decode step's linears, which read all 0.54 GB of the embedded
+model's float32 weights, take ~0.75x the time: on a 2-core AMD EPYC without
 AVX-512 (2026-12-06), 98 against 133 ms over the 30 layers' grouped projections and the head.
 That CPU cannot pack bf16 weights (oneDNN needs AVX-512 or AVX-NE-CONVERT for that reorder), so
 packing is decided per dtype. Elsewhere (not a CPU, a dtype this build cannot pack or whose packed
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from cookbook_lib.runtime.devices import Float32Head
-from cookbook_lib.runtime.onednn_linear import onednn_linear_chosen
+from cookbook_lib.runtime.onednn_linear import lone_row_as_first_of_two, onednn_linear_chosen
 
 SWITCH_VARIABLE = "COOKBOOK_PACK_LINEARS"  # "0": never pack
 # oneDNN picks the packed layout for a row count; every count runs on it, this one best. A
@@ -93,7 +94,7 @@ class PackedLinear(torch.nn.Module):
         self.packed = pack_weight(weight.to(device="cpu", dtype=self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear_forward(x.to(self.dtype), self.packed, self.bias)
+        return lone_row_as_first_of_two(packed_linear_forward, x.to(self.dtype), self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
@@ -129,7 +130,7 @@ class PackedGroup:
         for this very tensor and this part has not taken its slice yet."""
         fresh = self._input is not None and self._input() is x and self._outputs[index] is not None
         if not fresh:
-            joined = packed_linear_forward(x.to(self.dtype), self.packed, self.bias)
+            joined = lone_row_as_first_of_two(packed_linear_forward, x.to(self.dtype), self.packed, self.bias)
             self._outputs = list(joined.split(self.sizes, dim=-1))
             self._input = weakref.ref(x)
         output, self._outputs[index] = self._outputs[index], None

@@ -14,8 +14,8 @@ and none for the other ops.
 Elsewhere the layer's forward is ``nn.Linear``'s own: on other threads (a trainer's, which has its
 own ``OneDnnLinears`` for the gradients), with grad enabled, under autocast, and for inputs that are
 not float32 on a CPU. The numbers are those of ``OneDnnLinears`` (the same oneDNN call), except
-for a lone row, which is computed as the first of two: oneDNN's one-row kernel sums in another
-order, and with it a row decoded alone would not compute what it computes in a batch. The route
+for a lone row, which is computed as the first of two: oneDNN's one-row kernels sum in another
+order, and with them a row decoded alone would not compute what it computes in a batch. The route
 is an instance attribute of each layer (``forward``), so it survives ``copy.deepcopy`` (bound to
 the copy's own weights) and pickling, and leaves ``state_dict`` as it was.
 
@@ -25,8 +25,9 @@ at its first routed call, reused while the weight is the same tensor at the same
 optimizer step or a weight update writes it in place, which bumps the version, so the next call
 repacks), and let go by :func:`release_packed_weights`, which a lockstep run's generator calls
 before each training step (``HFGenerator.sleep``) and when it closes. The packed kernel gives the
-plain oneDNN linear's sums bit for bit from 2 rows up and does not depend on the batch for a lone
-row, so the numbers do not change; a 16-row decode step of the embedded model took ~0.8x the time
+plain oneDNN linear's sums bit for bit from 2 rows up, and a lone row is computed as the first of
+two here too (on an AVX-512 Xeon the packed one-row kernel also sums in its own order at some
+shapes), so the numbers do not change; a 16-row decode step of the embedded model took ~0.8x the time
 on a 2-core AMD EPYC (docs/benchmarks.md). The packed copies hold a model's worth of linear
 weights (0.54 GB for the embedded model), during sampling only.
 """
@@ -39,7 +40,12 @@ from collections.abc import Iterator
 
 import torch
 
-from cookbook_lib.runtime.onednn_linear import onednn_linear_chosen, onednn_linear_forward, runs_in_onednn
+from cookbook_lib.runtime.onednn_linear import (
+    lone_row_as_first_of_two,
+    onednn_linear_chosen,
+    onednn_linear_forward,
+    runs_in_onednn,
+)
 from cookbook_lib.runtime.packed_linear import pack_weight, packed_dtypes, packed_linear_forward
 
 _routing = threading.local()  # .on: this thread's routed layers go to oneDNN now
@@ -62,8 +68,9 @@ class RoutedForward:
             and runs_in_onednn(input, layer.weight, layer.bias)
         ):
             if self.pack:
-                return packed_linear_forward(input, self._packed_weight(layer.weight), layer.bias)
-            return _batch_invariant_linear(input, layer.weight, layer.bias)
+                packed = self._packed_weight(layer.weight)
+                return lone_row_as_first_of_two(packed_linear_forward, input, packed, layer.bias)
+            return lone_row_as_first_of_two(onednn_linear_forward, input, layer.weight, layer.bias)
         return torch.nn.Linear.forward(layer, input)
 
     def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -82,18 +89,6 @@ class RoutedForward:
     def __getstate__(self) -> dict:
         # A packed weight is an opaque oneDNN tensor: neither pickled nor deep-copied, repacked on use.
         return {"layer": self.layer, "pack": self.pack, "_packed": None}
-
-
-def _batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear, a lone row computed as the first of two: its matrix-vector kernel sums in another
-    order (~1e-4 apart at the embedded model's sizes), so a row decoded alone would not compute what
-    it computes in a batch, and seeded samples could differ with the batch around them. From 2 rows
-    up each row's sums do not depend on the others (checked at 2-16 rows on an AMD EPYC)."""
-    if x.numel() != x.shape[-1]:
-        return onednn_linear_forward(x, weight, bias)
-    row = x.reshape(1, x.shape[-1])
-    first_of_two = onednn_linear_forward(torch.cat([row, row]), weight, bias)[:1]
-    return first_of_two.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def route_linears(model: torch.nn.Module) -> int:
