@@ -6,6 +6,7 @@
     python bench/bench_trl.py --work=single-turn        # the single-turn work instead (below)
     python bench/bench_trl.py --only=ours --ours-config=loss_normalizer=batch_groups
                                                         # our side alone, with a setting changed
+    python bench/bench_trl.py --only=ours --error-text=trl  # our side, failed calls read as TRL's
 
 The work: the tool-use game's tier-1 tasks (the demo's), 4 tasks x 4 episodes a step, at most 6
 turns of at most 48 new tokens, the demo's learning rate 5e-5 (``--learning-rate``), no KL term,
@@ -194,17 +195,37 @@ def report(side: str, seed: int, step: int, seconds: float, reward: float) -> No
 
 def run_ours(
     model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float,
-    overrides: dict | None = None,
+    overrides: dict | None = None, error_text: str = "ours",
 ) -> None:  # fmt: skip
     from cookbook_lib.grpo.train import train_multi_turn
     from envs.tool_use_game import ToolUseGameEnv
 
     config = our_config(model, seed, steps, dtype, work_dir, learning_rate, overrides)
+    if error_text == "trl":
+        show_tool_errors_as_trl_does()
+        config = dataclasses.replace(config, run_name=config.run_name.replace("-seed", "-trl_errors-seed"))
     shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
     train_multi_turn(
         config, tasks=tier1_tasks(), env_factory=lambda task: ToolUseGameEnv(),
         on_step=_step_reporter("ours", seed),
     )  # fmt: skip
+
+
+def show_tool_errors_as_trl_does() -> None:
+    """Our tool loop's failed calls read as TRL's do: ``{'error': 'message'}`` instead of
+    ``tool_error: message`` (``--error-text=trl``: an experiment on what the model reads, not a setting)."""
+    from cookbook_lib.envs import tools
+
+    ours = tools.run_tool_call
+
+    async def run_tool_call(tool_map, call, timeout_s=None):
+        message, failed, ending = await ours(tool_map, call, timeout_s)
+        content = str(message["content"])
+        if failed and content.startswith(tools.TOOL_ERROR_PREFIX):
+            message["content"] = str({"error": content[len(tools.TOOL_ERROR_PREFIX) :]})
+        return message, failed, ending
+
+    tools.run_tool_call = run_tool_call  # run_tool_calls looks it up at each call
 
 
 def run_ours_single(
@@ -497,6 +518,7 @@ def run_side(side: str, model: Path, seed: int, steps: int, args: argparse.Names
                f"--learning-rate={args.learning_rate}", f"--work={args.work}"]  # fmt: skip
     if side == "ours":
         command += [f"--ours-config={setting}" for setting in args.ours_config]
+        command += [f"--error-text={args.error_text}"]
     started = time.perf_counter()
     process = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     records = [
@@ -555,6 +577,10 @@ def main(argv: list[str] | None = None) -> None:
         "--ours-config", action="append", default=[], metavar="KEY=VALUE",
         help="a GRPOConfig setting of our side (repeatable), e.g. loss_normalizer=batch_groups",
     )  # fmt: skip
+    parser.add_argument(
+        "--error-text", choices=("ours", "trl"), default="ours",
+        help="how our side's failed tool calls read: ours (tool_error: ...) or TRL's ({'error': ...})",
+    )  # fmt: skip
     parser.add_argument("--only", choices=("ours", "trl"), help="run one side only (its seeds and steps)")
     parser.add_argument("--side", choices=("prepare", "ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -571,8 +597,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     overrides = parse_overrides(args.ours_config)
     if args.side == "ours":
-        runner = run_ours_single if single else run_ours
-        runner(args.model, args.seed, args.steps, args.dtype, args.work_dir, args.learning_rate, overrides)
+        common = (args.model, args.seed, args.steps, args.dtype, args.work_dir, args.learning_rate, overrides)
+        if single:
+            run_ours_single(*common)
+        else:
+            run_ours(*common, error_text=args.error_text)
         return
     if args.side == "trl":
         runner = run_trl_single if single else run_trl

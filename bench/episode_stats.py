@@ -1,6 +1,6 @@
 """What each side's policy did, step by step: the episodes of ``bench_trl.py``'s runs side by side.
 
-    python bench/episode_stats.py [--work-dir runs/bench_trl]
+    python bench/episode_stats.py [--work-dir runs/bench_trl] [--ours-variant trl_errors]
 
 Reads our side's episodes files (``ours-seedN/episodes/step_*.jsonl``) and TRL's recorded
 completions (``trl-seedN/completions.jsonl``, written by ``bench_trl.recorded``) and prints, per
@@ -123,8 +123,9 @@ def side_table(
     }
 
 
-def print_tables(work_dir: Path, max_turns: int) -> None:
-    for side, prefix, reader in (("ours", "ours-seed", our_episodes), ("TRL", "trl-seed", trl_episodes)):
+def print_tables(work_dir: Path, max_turns: int, ours_variant: str = "") -> None:
+    ours_prefix = f"ours-{ours_variant}-seed" if ours_variant else "ours-seed"
+    for side, prefix, reader in (("ours", ours_prefix, our_episodes), ("TRL", "trl-seed", trl_episodes)):
         runs = sorted(
             (p for p in work_dir.glob(f"{prefix}*") if p.name[len(prefix) :].isdigit()),
             key=lambda p: int(p.name[len(prefix) :]),
@@ -149,8 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-turns", type=int, default=MAX_TURNS, help="the runs' turn limit (bench_trl's MAX_TURNS)"
     )
+    parser.add_argument(
+        "--ours-variant", default="",
+        help="read our side's runs of a variant, ours-VARIANT-seedN (e.g. trl_errors)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    print_tables(args.work_dir, args.max_turns)
+    print_tables(args.work_dir, args.max_turns, args.ours_variant)
 
 
 if __name__ == "__main__":

@@ -96,3 +96,17 @@ def test_trls_completions_are_recorded_a_line_a_step_and_tabled(tmp_path, task):
     table = episode_stats.side_table(episode_stats.trl_episodes(path.parent), max_turns=6)
     assert table[1]["reward"] == 0.5 and table[1]["turn_limit"] == 0.5 and table[1]["n"] == 2
     assert table[2]["repeated_call"] == 1
+
+
+def test_with_trls_error_text_our_env_shows_a_failed_call_as_trl_does(task, monkeypatch):
+    from cookbook_lib.envs import tools
+
+    monkeypatch.setattr(tools, "run_tool_call", tools.run_tool_call)  # put back after the test
+    calls = [_call("lookup", {"key": "no_such_key"})]
+    before = episode_stats.after_prompt(_our_conversation(task, calls, None))
+    assert before[1]["content"].startswith(tools.TOOL_ERROR_PREFIX)
+    bench_trl.show_tool_errors_as_trl_does()
+    ours = episode_stats.after_prompt(_our_conversation(task, calls, None))
+    trl = _trl_conversation(task, calls, None)
+    assert ours[1]["content"] == trl[1]["content"] and ours[1]["content"].startswith("{'error': ")
+    assert episode_stats.conversation_stats(ours, 0.0, max_turns=6)["error_share"] == 1
