@@ -9,14 +9,22 @@ import pytest
 
 # W&B never reaches the network from the tests.
 os.environ.setdefault("WANDB_MODE", "offline")
-# A fixed thread count: a count fitted to a shared machine's free cores (runtime.cpu_share) changes
-# float rounding, and the resume tests compare weights bit for bit. tests/test_cpu_share.py tests it.
-os.environ.setdefault("COOKBOOK_FIT_THREADS", "0")
-# dtype="auto" picks bf16 on a CPU whose bf16 matmuls measure faster (runtime.devices); the tests
-# compare log-probs, losses and resumed weights to float32's tolerances, on whatever CPU runs them,
-# so "auto" keeps float32 here. tests/test_cpu_probe.py tests the choice; the notebooks (run from
-# notebooks/, outside this folder) take the real default.
-os.environ.setdefault("COOKBOOK_CPU_BF16", "0")
+TEST_ONLY_SETTINGS = {
+    # A fixed thread count: a count fitted to a shared machine's free cores (runtime.cpu_share) changes
+    # float rounding, and the resume tests compare weights bit for bit. tests/test_cpu_share.py tests it.
+    "COOKBOOK_FIT_THREADS": "0",
+    # dtype="auto" picks bf16 on a CPU whose bf16 matmuls measure faster (runtime.devices); the tests
+    # compare log-probs, losses and resumed weights to float32's tolerances, on whatever CPU runs them,
+    # so "auto" keeps float32 here. tests/test_cpu_probe.py tests the choice.
+    "COOKBOOK_CPU_BF16": "0",
+}
+# The notebooks take the library's real defaults, as a user's kernel does, even when nbmake runs them
+# in this process after the tests: ../conftest.py takes the settings this file made (not those the
+# user set) out of the environment while a notebook runs. Named here for it to read.
+set_here = [name for name in TEST_ONLY_SETTINGS if name not in os.environ]
+os.environ["COOKBOOK_TEST_ONLY_SETTINGS"] = ",".join(set_here)
+for name, value in TEST_ONLY_SETTINGS.items():
+    os.environ.setdefault(name, value)
 
 
 @pytest.fixture(scope="session")
