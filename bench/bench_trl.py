@@ -141,10 +141,14 @@ def with_overrides(config, overrides: dict | None):
     if not overrides:
         return config
     tag = "-".join(f"{key}={value}" for key, value in sorted(overrides.items()))
-    name = config.run_name.replace("-seed", f"-{tag}-seed")
-    config = dataclasses.replace(config, run_name=name, **overrides)
+    config = dataclasses.replace(tagged(config, tag), **overrides)
     config.validate()
     return config
+
+
+def tagged(config, tag: str):
+    """``config`` in a run folder named for a variant: ``ours-TAG-seedN``."""
+    return dataclasses.replace(config, run_name=config.run_name.replace("-seed", f"-{tag}-seed"))
 
 
 def parse_overrides(settings: list[str]) -> dict:
@@ -204,11 +208,10 @@ def run_ours(
     config = our_config(model, seed, steps, dtype, work_dir, learning_rate, overrides)
     if error_text == "trl":
         show_tool_errors_as_trl_does()
-        config = dataclasses.replace(config, run_name=config.run_name.replace("-seed", "-trl_errors-seed"))
+        config = tagged(config, "trl_errors")
     if warmup_steps:
         warm_up_adamw(warmup_steps)
-        name = config.run_name.replace("-seed", f"-warmup{warmup_steps}-seed")
-        config = dataclasses.replace(config, run_name=name)
+        config = tagged(config, f"warmup{warmup_steps}")
     shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
     train_multi_turn(
         config, tasks=tier1_tasks(), env_factory=lambda task: ToolUseGameEnv(),
