@@ -7,7 +7,7 @@
     python bench/bench_trl.py --only=ours --ours-config=loss_normalizer=batch_groups
                                                         # our side alone, with a setting changed
     python bench/bench_trl.py --only=ours --error-text=trl  # our side, failed calls read as TRL's
-    python bench/bench_trl.py --only=ours --warmup-steps=3  # our side, its learning rate warmed up
+    python bench/bench_trl.py --only=ours --ours-config=warmup_steps=3  # our side, learning rate warmed up
 
 The work: the tool-use game's tier-1 tasks (the demo's), 4 tasks x 4 episodes a step, at most 6
 turns of at most 48 new tokens, the demo's learning rate 5e-5 (``--learning-rate``), no KL term,
@@ -200,7 +200,7 @@ def report(side: str, seed: int, step: int, seconds: float, reward: float) -> No
 
 def run_ours(
     model: Path, seed: int, steps: int, dtype: str, work_dir: Path, learning_rate: float,
-    overrides: dict | None = None, error_text: str = "ours", warmup_steps: int = 0,
+    overrides: dict | None = None, error_text: str = "ours",
 ) -> None:  # fmt: skip
     from cookbook_lib.grpo.train import train_multi_turn
     from envs.tool_use_game import ToolUseGameEnv
@@ -209,9 +209,6 @@ def run_ours(
     if error_text == "trl":
         show_tool_errors_as_trl_does()
         config = tagged(config, "trl_errors")
-    if warmup_steps:
-        warm_up_adamw(warmup_steps)
-        config = tagged(config, f"warmup{warmup_steps}")
     shutil.rmtree(work_dir / config.run_name, ignore_errors=True)
     train_multi_turn(
         config, tasks=tier1_tasks(), env_factory=lambda task: ToolUseGameEnv(),
@@ -234,23 +231,6 @@ def show_tool_errors_as_trl_does() -> None:
         return message, failed, ending
 
     tools.run_tool_call = run_tool_call  # run_tool_calls looks it up at each call
-
-
-def warm_up_adamw(steps: int) -> None:
-    """Every AdamW of this process steps at ``k / steps`` of its learning rate at its k-th step, then
-    at the whole (``--warmup-steps``: an experiment on the first update's size, not a setting; AdamW's
-    first step moves each weight by ~lr whatever its gradient's size)."""
-    import torch
-
-    step = torch.optim.AdamW.step
-
-    def warmed_up(optimizer, *args, **kwargs):
-        optimizer.warmup_calls = getattr(optimizer, "warmup_calls", 0) + 1
-        for group in optimizer.param_groups:
-            group["lr"] = optimizer.defaults["lr"] * min(1.0, optimizer.warmup_calls / steps)
-        return step(optimizer, *args, **kwargs)
-
-    torch.optim.AdamW.step = warmed_up
 
 
 def run_ours_single(
@@ -543,7 +523,7 @@ def run_side(side: str, model: Path, seed: int, steps: int, args: argparse.Names
                f"--learning-rate={args.learning_rate}", f"--work={args.work}"]  # fmt: skip
     if side == "ours":
         command += [f"--ours-config={setting}" for setting in args.ours_config]
-        command += [f"--error-text={args.error_text}", f"--warmup-steps={args.warmup_steps}"]
+        command.append(f"--error-text={args.error_text}")
     started = time.perf_counter()
     process = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     records = [
@@ -606,10 +586,6 @@ def main(argv: list[str] | None = None) -> None:
         "--error-text", choices=("ours", "trl"), default="ours",
         help="how our side's failed tool calls read: ours (tool_error: ...) or TRL's ({'error': ...})",
     )  # fmt: skip
-    parser.add_argument(
-        "--warmup-steps", type=int, default=0,
-        help="our side's learning rate rises linearly over this many steps (an experiment; 0: none)",
-    )  # fmt: skip
     parser.add_argument("--only", choices=("ours", "trl"), help="run one side only (its seeds and steps)")
     parser.add_argument("--side", choices=("prepare", "ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -630,7 +606,7 @@ def main(argv: list[str] | None = None) -> None:
         if single:
             run_ours_single(*common)
         else:
-            run_ours(*common, error_text=args.error_text, warmup_steps=args.warmup_steps)
+            run_ours(*common, error_text=args.error_text)
         return
     if args.side == "trl":
         runner = run_trl_single if single else run_trl

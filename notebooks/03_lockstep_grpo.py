@@ -156,6 +156,7 @@ RUN_NAME = os.environ.get("COOKBOOK_RUN_NAME") or f"03-lockstep-{datetime.now():
 # | `max_sampling_attempts` | Rounds a step may sample to replace all-equal groups. | 2 in the demo: a step that drew only zero-variance groups tries once more before training on less. |
 # | `loss_type`, `importance_ratio_level`, `loss_aggregation`, `loss_normalizer` | PPO-clip or CISPO; a ratio per token or per sequence (GSPO); token mean, sequence mean or fixed horizon (Dr. GRPO); counted over the trained groups, or over the batch with its zero-variance groups (as TRL and verl count). | The defaults (PPO-clip, per token, token mean over the trained groups) are the common GRPO setup; `batch_groups` makes a step with little signal a small step. |
 # | `clip_ratio_low`, `clip_ratio_high` | The importance ratio is clipped to `[1 - low, 1 + high]`. | Asymmetric ("clip-higher", DAPO) so that rare good tokens can grow. |
+# | `learning_rate`, `warmup_steps` | AdamW's learning rate, and the updates over which it rises linearly to it. | AdamW's first update moves every weight by about the learning rate, whatever the gradient; a short warm-up makes that first step smaller. None in the demo. |
 # | `kl_coef`, `normalize_advantages_by_std` | KL penalty to the starting model; dividing advantages by the group std. | No KL and std-normalised advantages by default. |
 # | `validation_interval`, `sequential_validation` | Validate on held-out tasks every N steps (and at step 0 and the end), on its own. | The validation reward is the curve to trust: training rewards come from ever-changing tasks. |
 # | `use_lora` | Train LoRA adapters instead of all weights. | Off: on a CPU LoRA measured no faster for a 135M model. |
@@ -167,7 +168,8 @@ for name in (
     "model", "batch_size", "episodes_per_task", "num_steps", "validation_interval", "max_turns",
     "max_model_length", "max_tokens_per_turn", "overlong_masking", "overlong_buffer_tokens",
     "failed_parse_reward", "max_sampling_attempts", "loss_type", "importance_ratio_level",
-    "loss_aggregation", "clip_ratio_low", "clip_ratio_high", "kl_coef", "learning_rate", "use_lora",
+    "loss_aggregation", "clip_ratio_low", "clip_ratio_high", "kl_coef", "learning_rate", "warmup_steps",
+    "use_lora",
 ):
     print(f"{name:24} {getattr(config, name)}")
 print(f"{'run_dir':24} {config.run_dir}")
@@ -295,7 +297,9 @@ print(f"\nvalidation reward: {val_before:.3f} after the warm-start -> {val_after
 # `terminated` should grow at the expense of `max turns` (episodes that kept calling tools) and
 # `parse failure`; `zero-variance groups skipped` shows how many groups taught nothing (all solved
 # or all failed). A policy loss near 0 is normal in GRPO (advantages average to zero in a group);
-# the **entropy** falling slowly is the policy getting surer, falling fast is a warning.
+# the **entropy** falling slowly is the policy getting surer, falling fast is a warning. If two
+# steps in a row train nothing (every group all alike), the run prints a line saying so and what
+# to change: a policy that does not change keeps sampling such groups.
 
 # %%
 metrics_table_figure(result.metrics)

@@ -165,6 +165,7 @@ CONTRADICTIONS = [
     ({"use_lora": True, "lora_rank": 0}, "lora_rank must be >= 1 with use_lora=True"),
     ({"use_lora": True, "lora_alpha": 0.0}, "lora_alpha must be > 0 with use_lora=True"),
     ({"learning_rate": 0.0}, "learning_rate must be > 0"),
+    ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
     ({"kl_coef": -0.01}, "kl_coef must be >= 0"),
     ({"weight_decay": -0.01}, "weight_decay must be >= 0"),
     ({"max_grad_norm": 0.0}, "max_grad_norm must be > 0"),

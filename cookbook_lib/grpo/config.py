@@ -140,6 +140,12 @@ class GRPOConfig:
     """Token limit of a whole conversation; filling it truncates with ``CONTEXT_OVERFLOW``."""
     learning_rate: float = _setting(2e-5, above=0)
     """AdamW learning rate."""
+    warmup_steps: int = _setting(0, at_least=0, note="0 = the whole learning rate from the first update")
+    """Optimizer updates over which the learning rate rises linearly to ``learning_rate``: update
+    ``k`` (counted from 1) takes ``learning_rate * min(1, k / warmup_steps)``; 0 = no warm-up.
+    AdamW's first update moves every weight by about the learning rate whatever the gradient's scale,
+    so one unlucky first batch can break a policy's tool-call format; a short warm-up softens it
+    (docs/benchmarks.md, session 33). Counted in updates taken, so a resumed run continues it."""
     wandb_project: str | None = None
     """W&B project to log to; ``None`` = no W&B (the hosted page defaults to logging; see module doc)."""
     sequential_validation: bool = False

@@ -93,6 +93,7 @@ FIXED_ON_RESUME: tuple[str, ...] = (
     "overlong_penalty_factor",
     # The loss and the optimizer.
     "learning_rate",
+    "warmup_steps",
     "loss_type",
     "importance_ratio_level",
     "loss_aggregation",

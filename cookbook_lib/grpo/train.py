@@ -41,6 +41,7 @@ from cookbook_lib.grpo.lockstep import sampling_params
 from cookbook_lib.grpo.loops import make_loop
 from cookbook_lib.grpo.resume_rules import CONFIG_FILE, check_resume, record_config
 from cookbook_lib.grpo.sft import WarmStart, train_sft
+from cookbook_lib.grpo.stall import StallWatch
 from cookbook_lib.grpo.step import RunContext, StepOutcome, TrainingLoop
 from cookbook_lib.grpo.trainer import PolicyTrainer
 from cookbook_lib.grpo.weight_sync import GeneratorReplicas
@@ -220,6 +221,7 @@ async def _run_steps(
     log = MetricsLogger(
         run_dir, wandb_project=config.wandb_project, run_name=config.run_name, config=config.to_dict()
     )
+    stall = StallWatch()
     try:
         if start_step == 0:
             metrics = await validator.run() if val_tasks else {}
@@ -241,6 +243,8 @@ async def _run_steps(
                 _save(run_dir, step, context, tokenizer, loop.groups_started, model_only)
                 timeline.save(run_dir / TIMELINE_FILE)
             _print_step(step, config.num_steps, outcome.metrics)
+            if notice := stall.after(step, outcome.metrics):
+                print(notice, flush=True)
             _notify(on_step, outcome)
             release_memory()  # validation's KV caches, the checkpoint's buffers: back to the system
     finally:
@@ -265,6 +269,7 @@ def make_trainer(
         model,
         pad_token_id=tokenizer.pad_token_id,
         learning_rate=config.learning_rate,
+        warmup_steps=config.warmup_steps,
         weight_decay=config.weight_decay,
         max_grad_norm=config.max_grad_norm,
         micro_batch_tokens=config.micro_batch_tokens,

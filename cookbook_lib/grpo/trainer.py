@@ -3,7 +3,8 @@
 A step packs its samples into micro-batches by a token budget, each one a prefix tree where the
 model allows (:mod:`.shared_prefix`: every shared prefix forwarded once, the same gradients) or
 else padded rows, accumulates gradients over them with normalisers taken over the whole step (so
-accumulation is exact), clips the gradient and steps AdamW (fused). A non-finite loss or gradient
+accumulation is exact), clips the gradient and steps AdamW (fused; its learning rate warmed up over
+the first ``warmup_steps`` updates if asked). A non-finite loss or gradient
 skips the optimizer step, leaving the weights untouched, and says so in the step's metrics.
 
 Log-probs are computed from ``logits / temperature``: the generator reports the sampled tokens'
@@ -89,6 +90,7 @@ class PolicyTrainer:
         *,
         pad_token_id: int,
         learning_rate: float,
+        warmup_steps: int = 0,
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
         micro_batch_tokens: int = 2048,
@@ -112,6 +114,8 @@ class PolicyTrainer:
             with quiet_libraries():  # transformers' FutureWarnings about its own internals
                 model = get_peft_model(model, lora)
         self.model = model
+        self.learning_rate = learning_rate
+        self.warmup_steps = warmup_steps
         self.use_lora = use_lora
         self.pad_token_id = pad_token_id
         self.max_grad_norm = max_grad_norm
@@ -354,6 +358,7 @@ class PolicyTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             logger.warning("skipping the optimizer step: non-finite loss or gradient")
         else:
+            self._set_learning_rate(self.updates_taken() + 1)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
@@ -368,8 +373,26 @@ class PolicyTrainer:
             trained_tokens=float(trained_tokens),
             forwarded_tokens=float(forwarded_tokens),
             skipped_step=float(skipped),
+            learning_rate=self.optimizer.param_groups[0]["lr"],
         )
         return result
+
+    def updates_taken(self) -> int:
+        """Optimizer updates so far: AdamW's own count, which a checkpoint's optimizer state restores
+        (the largest over the parameters: one that had no gradient in an update was not counted)."""
+        counts = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
+        return max(counts, default=0)
+
+    def learning_rate_at(self, update: int) -> float:
+        """The learning rate of optimizer update ``update`` (counted from 1): warmed up linearly
+        over the first ``warmup_steps`` updates, then constant."""
+        if self.warmup_steps <= 0:
+            return self.learning_rate
+        return self.learning_rate * min(1.0, update / self.warmup_steps)
+
+    def _set_learning_rate(self, update: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate_at(update)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
