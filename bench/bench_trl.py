@@ -22,9 +22,10 @@ methods, its prompts showing our env's tool block token for token: ``show_tool_s
 defaults otherwise: its DAPO loss, gradient checkpointing, its generation through ``transformers``;
 ``bf16`` follows ``--dtype`` for both sides (float32 where the CPU has no native bf16, bf16 is
 5-50x slower there: docs/benchmarks.md). Ours runs ``train_multi_turn``
-with the demo's config, one sampling round a step (``max_sampling_attempts=1``), so both sample
-16 episodes a step. Each side runs in a fresh process per seed, the two alternating; a step's time
-is from the start of its sampling to the end of its optimizer step. Each side's episodes are kept
+with the demo's config (its 3-update learning-rate warm-up included), one sampling round a step
+(``max_sampling_attempts=1``), so both sample 16 episodes a step. Each side runs in a fresh
+process per seed, the two alternating; a step's time is from the start of its sampling to the end
+of its optimizer step. Each side's episodes are kept
 (ours in ``ours-seedN/episodes/``, TRL's completions and rewards in ``trl-seedN/completions.jsonl``):
 ``bench/episode_stats.py`` tables what each side's policy did, step by step.
 

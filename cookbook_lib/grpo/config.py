@@ -145,7 +145,7 @@ class GRPOConfig:
     ``k`` (counted from 1) takes ``learning_rate * min(1, k / warmup_steps)``; 0 = no warm-up.
     AdamW's first update moves every weight by about the learning rate whatever the gradient's scale,
     so one unlucky first batch can break a policy's tool-call format; a short warm-up softens it
-    (docs/benchmarks.md, session 33). Counted in updates taken, so a resumed run continues it."""
+    (docs/benchmarks.md, sessions 33-34). Counted in updates taken, so a resumed run continues it."""
     wandb_project: str | None = None
     """W&B project to log to; ``None`` = no W&B (the hosted page defaults to logging; see module doc)."""
     sequential_validation: bool = False
