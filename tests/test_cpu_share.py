@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from sft_sequences import two_sft_sequences
 
 from cookbook_lib.generators import HFGenerator, SamplingParams
 from cookbook_lib.grpo.trainer import PolicyTrainer
-from cookbook_lib.rollout.episode import TokenSequence
 from cookbook_lib.runtime import cpu_share
 from cookbook_lib.runtime.cpu_share import CpuReading, ThreadFitter, fit_threads, read_proc
 
@@ -172,14 +172,5 @@ def test_the_generator_and_the_trainer_fit_their_threads_between_steps(tiny_mode
     assert {device.type for _, device in calls} == {"cpu"}
     calls.clear()
     trainer = PolicyTrainer(copy.deepcopy(model), pad_token_id=2, learning_rate=1e-5, micro_batch_tokens=16)
-    sequences = [
-        TokenSequence(
-            tokens_T=list(range(start, start + 12)),
-            assistant_mask_T=[False] + [True] * 11,
-            sampling_logprobs_T=[0.0] * 12,
-            policy_versions_T=[0] * 12,
-        )
-        for start in (100, 300)
-    ]
-    trainer.sft_step(sequences)  # two micro-batches: 12 tokens each, 16 a micro-batch
+    trainer.sft_step(two_sft_sequences())  # two micro-batches: 12 tokens each, 16 a micro-batch
     assert len(calls) == 2 and {device.type for _, device in calls} == {"cpu"}

@@ -8,24 +8,12 @@ import dataclasses
 
 import pytest
 import torch
+from sft_sequences import two_sft_sequences
 from test_grpo_train import run_single_turn, tiny_config
 
 from cookbook_lib.grpo.trainer import PolicyTrainer
-from cookbook_lib.rollout.episode import TokenSequence
 
 LEARNING_RATE = 1e-3
-
-
-def sequences() -> list[TokenSequence]:
-    return [
-        TokenSequence(
-            tokens_T=list(range(start, start + 12)),
-            assistant_mask_T=[False] + [True] * 11,
-            sampling_logprobs_T=[0.0] * 12,
-            policy_versions_T=[0] * 12,
-        )
-        for start in (100, 300)
-    ]
 
 
 def trainer_of(model, warmup_steps: int) -> PolicyTrainer:
@@ -41,7 +29,7 @@ def largest_move(before: dict[str, torch.Tensor], model) -> float:
 @pytest.mark.parametrize("warmup_steps", [0, 1, 3])
 def test_each_update_takes_its_share_of_the_learning_rate(tiny_model_and_tokenizer, warmup_steps):
     trainer = trainer_of(tiny_model_and_tokenizer[0], warmup_steps)
-    rates = [trainer.sft_step(sequences())["learning_rate"] for _ in range(4)]
+    rates = [trainer.sft_step(two_sft_sequences())["learning_rate"] for _ in range(4)]
     shares = [min(1.0, k / warmup_steps) if warmup_steps else 1.0 for k in (1, 2, 3, 4)]
     assert rates == pytest.approx([LEARNING_RATE * share for share in shares])
     assert trainer.updates_taken() == 4
@@ -53,7 +41,7 @@ def test_the_first_update_moves_the_weights_by_the_warmed_up_rate(tiny_model_and
     for warmup_steps in (0, 3):
         trainer = trainer_of(tiny_model_and_tokenizer[0], warmup_steps)
         before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-        trainer.sft_step(sequences())
+        trainer.sft_step(two_sft_sequences())
         moves[warmup_steps] = largest_move(before, trainer.model)
     assert moves[0] == pytest.approx(LEARNING_RATE, rel=0.01)
     assert moves[3] == pytest.approx(LEARNING_RATE / 3, rel=0.01)
@@ -62,12 +50,12 @@ def test_the_first_update_moves_the_weights_by_the_warmed_up_rate(tiny_model_and
 def test_a_trainer_given_a_saved_optimizer_state_continues_the_warm_up(tiny_model_and_tokenizer):
     first = trainer_of(tiny_model_and_tokenizer[0], warmup_steps=4)
     for _ in range(2):
-        first.sft_step(sequences())
+        first.sft_step(two_sft_sequences())
     second = trainer_of(tiny_model_and_tokenizer[0], warmup_steps=4)
     second.model.load_state_dict(first.model.state_dict())
     second.optimizer.load_state_dict(first.optimizer.state_dict())
     assert second.updates_taken() == 2
-    assert second.sft_step(sequences())["learning_rate"] == pytest.approx(LEARNING_RATE * 3 / 4)
+    assert second.sft_step(two_sft_sequences())["learning_rate"] == pytest.approx(LEARNING_RATE * 3 / 4)
 
 
 def test_a_resumed_run_continues_the_warm_up_where_it_stopped(tiny_model_dir, tmp_path):
