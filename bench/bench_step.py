@@ -4,6 +4,7 @@
     python bench/bench_step.py --episodes runs/RUN/episodes/step_000001.jsonl \
         --model runs/RUN/warm_start_model     # a step a run sampled, and its model
     python bench/bench_step.py --quick         # a smaller warm-start and one repeat
+    python bench/bench_step.py --dtype auto    # train as a run does here (bf16 autocast where native)
 
 1. Sampling: ``train_multi_turn`` runs the README demo's config for one step (expert warm-start,
    the step's rollouts, its training on prefix trees) and reports sampled tokens, sampling tok/s
@@ -17,11 +18,17 @@
    system CPU seconds, minor page faults, the peak resident size during the step, and the loss
    (the same on all). Then each tree arm's ratios against padded rows, and segments against the
    dense mask. Timings on a shared CPU are noisy: read the ratios of one run.
+3. With ``--dtype auto`` on a CPU where that trains in bf16 (autocast), one more arm: the segments'
+   attention in bf16, as before session 35 (:func:`cookbook_lib.grpo.tree_attention.segmented_attention`
+   now attends in float32 there: bf16's backward compiled a oneDNN kernel for every block shape).
+   The arms run in one process, so oneDNN's bounded kernel cache carries from one to the next, as
+   it does from one step of a run to the next.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import resource
@@ -32,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from cookbook_lib.grpo import tree_attention
 from cookbook_lib.grpo.config import GRPOConfig
 from cookbook_lib.grpo.lockstep import step_samples
 from cookbook_lib.grpo.loss_settings import LossSettings
@@ -91,19 +99,39 @@ def _peak_rss_gb() -> float:
     return float("nan")
 
 
-def train_arm(model_dir: Path, samples, config: GRPOConfig, arm: str) -> dict[str, float]:
+@contextlib.contextmanager
+def attention_in_its_own_dtype():
+    """The segments' attention in the dtype SDPA would use (bf16 under bf16 autocast), as before
+    session 35's float32 attention on a CPU."""
+    chosen = tree_attention._attention_dtypes
+
+    def own_dtype(query):
+        return (chosen(query)[1],) * 2
+
+    tree_attention._attention_dtypes = own_dtype
+    try:
+        yield
+    finally:
+        tree_attention._attention_dtypes = chosen
+
+
+def train_arm(model_dir: Path, samples, config: GRPOConfig, arm: str, dtype: str) -> dict[str, float]:
     """One training step of ``samples`` on a fresh copy of the model; its cost and loss."""
     if arm == BEFORE:  # the path issue 20 measured: padded rows, every large block faulted anew
         with block_cache_suspended():
-            return train_arm(model_dir, samples, config, PADDED)
+            return train_arm(model_dir, samples, config, PADDED, dtype)
+    if arm == TREES_BF16_ATTENTION:
+        with attention_in_its_own_dtype():
+            return train_arm(model_dir, samples, config, TREES_SEGMENTS, dtype)
     tokenizer = load_tokenizer(str(model_dir))
-    model = load_model(str(model_dir))
+    precision = resolve_precision("cpu", dtype)
+    model = load_model(str(model_dir), dtype=precision.master_dtype)
     shared = arm != PADDED
     trainer = make_trainer(
         dataclasses.replace(config, shared_prefix_training=shared),
         model,
         tokenizer,
-        resolve_precision("cpu", "float32"),
+        precision,
     )
     if arm == TREES_DENSE:  # the trees' dense block mask alone, as before tree_attention
         trainer.segmented_tree_attention = False
@@ -131,6 +159,7 @@ def train_arm(model_dir: Path, samples, config: GRPOConfig, arm: str) -> dict[st
 
 BEFORE = "padded rows, no block cache"
 PADDED, TREES_DENSE, TREES_SEGMENTS = "padded rows", "prefix trees, dense mask", "prefix trees, segments"
+TREES_BF16_ATTENTION = "prefix trees, segments, attention in bf16 (session 34)"
 ARMS = (BEFORE, PADDED, TREES_DENSE, TREES_SEGMENTS)
 
 
@@ -149,6 +178,12 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="the model that sampled them (with --episodes)")
     parser.add_argument("--repeats", type=int, default=2, help="training runs of each arm")
     parser.add_argument("--quick", action="store_true", help="a 16-demo, 2-step warm-start, one repeat")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "auto"),
+        help="the trainer's precision: float32 (issue 20's comparison) or what dtype='auto' picks here",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     config = demo_config()
@@ -169,14 +204,18 @@ def main() -> None:
         f"{sum(lengths)} in all), micro_batch_tokens={config.micro_batch_tokens}, "
         f"activation checkpointing {'on' if config.activation_checkpointing else 'off'}"
     )
-    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    precision = resolve_precision("cpu", args.dtype)
+    bf16_training = precision.compute_dtype == torch.bfloat16
+    arms = ARMS + ((TREES_BF16_ATTENTION,) if bf16_training else ())
+    print(f"trainer: {precision.describe()}")
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for _ in range(repeats):
-        for arm in ARMS:
-            runs[arm].append(train_arm(model_dir, copy.copy(samples), config, arm))
+        for arm in arms:
+            runs[arm].append(train_arm(model_dir, copy.copy(samples), config, arm, args.dtype))
     fields = ("forwarded_tokens", "trainer_s", "user_s", "system_s", "minor_faults", "peak_rss_gb", "loss")
-    medians = {arm: {f: statistics.median(r[f] for r in runs[arm]) for f in fields} for arm in ARMS}
+    medians = {arm: {f: statistics.median(r[f] for r in runs[arm]) for f in fields} for arm in arms}
     print(f"\n| arm | {' | '.join(fields)} |\n| --- |{' ---: |' * len(fields)}")
-    for arm in ARMS:
+    for arm in arms:
         print(f"| {arm} | " + " | ".join(f"{medians[arm][f]:.4g}" for f in fields) + " |")
     old = medians[BEFORE]
     for arm in (PADDED, TREES_DENSE, TREES_SEGMENTS):
@@ -192,6 +231,15 @@ def main() -> None:
         )
     dense, segments = medians[TREES_DENSE], medians[TREES_SEGMENTS]
     print(f"\nsegments / dense mask: trainer time {segments['trainer_s'] / dense['trainer_s']:.2f}x")
+    if bf16_training:
+        bf16 = medians[TREES_BF16_ATTENTION]
+        print(
+            "segments' attention in float32 / in bf16: trainer time "
+            f"{segments['trainer_s'] / bf16['trainer_s']:.2f}x, "
+            f"system time {segments['system_s'] / max(bf16['system_s'], 1e-9):.2f}x, peak "
+            f"{segments['peak_rss_gb']:.2f} against {bf16['peak_rss_gb']:.2f} GB, loss difference "
+            f"{abs(segments['loss'] - bf16['loss']):.2e}"
+        )
 
 
 if __name__ == "__main__":

@@ -62,6 +62,30 @@ def test_segments_give_the_dense_masks_outputs_and_gradients(heads, kv_heads):
     assert scored < 0.6 * length * length
 
 
+@pytest.mark.parametrize("under_autocast", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_segments_attend_in_float32_on_a_cpu(dtype, under_autocast):
+    # bf16's CPU backward compiles a oneDNN kernel per block shape; float32's goes to MKL. The
+    # trainer calls it under autocast with float32 queries (the rotary embedding promotes them),
+    # which SDPA alone would cast down.
+    tree = build_prefix_tree(episodes(vocab=100, seed=2))
+    segments = TreeSegments.from_tensors(tree.segments_S3, tree.segment_keys_K)
+    wide = [tensor.detach().to(dtype).float() for tensor in _qkv(tree.num_tokens, 4, 2)]
+    given = [tensor.to(torch.float32 if under_autocast else dtype).requires_grad_() for tensor in wide]
+    upcast = [tensor.clone().requires_grad_() for tensor in wide]
+    with torch.autocast("cpu", dtype=dtype, enabled=under_autocast):
+        got = segmented_attention(*given, segments, scaling=0.3)
+    want = segmented_attention(*upcast, segments, scaling=0.3)
+    assert got.dtype == dtype and want.dtype == torch.float32
+    torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = torch.autograd.grad((got * weights).sum(), given)
+    upcast_grads = torch.autograd.grad((want * weights.float()).sum(), upcast)
+    for grad, upcast_grad, tensor in zip(grads, upcast_grads, given, strict=True):
+        assert grad.dtype == tensor.dtype
+        torch.testing.assert_close(grad, upcast_grad.to(tensor.dtype), rtol=0, atol=0)
+
+
 def test_a_single_sample_is_one_causal_segment():
     tree = build_prefix_tree(episodes(vocab=100)[:1])
     segments = TreeSegments.from_tensors(tree.segments_S3, tree.segment_keys_K)

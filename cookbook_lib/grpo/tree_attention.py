@@ -25,6 +25,7 @@ another ``sdpa`` function was registered) still trains on the right pairs, only 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +82,23 @@ def segmented_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """``[1, H, L, D]`` attention of a packed tree's queries ``[1, H, L, D]`` over its keys and
-    values ``[1, KV, L, D]`` (KV dividing H), each query seeing only its own sample's tokens."""
+    values ``[1, KV, L, D]`` (KV dividing H), each query seeing only its own sample's tokens.
+
+    On a CPU, attention that SDPA would compute in bf16 or fp16 (its inputs', or autocast's) is
+    computed in float32, the output in the dtype SDPA would have given: the
+    CPU kernel's backward pass in bf16 runs its block products through oneDNN, which compiles a
+    kernel for every new block shape, and every segment's lengths give new ones. The demo's warm-start
+    compiled ~12k of them, ~10 s of its ~60 s, and the stream evicted the linears' kernels from
+    oneDNN's bounded cache too (:mod:`cookbook_lib.runtime.onednn_caches`). In float32 the
+    products go to MKL, nothing is compiled, and 36 segments' forward and backward took 0.8x the
+    time of bf16's even with every kernel already compiled (docs/benchmarks.md, session 35).
+    """
+    compute_dtype, output_dtype = _attention_dtypes(query)
+    upcast = contextlib.nullcontext()
+    if compute_dtype != output_dtype:
+        query, key, value = (tensor.to(compute_dtype) for tensor in (query, key, value))
+        # Autocast would cast SDPA's inputs back down (SDPA is on CPU autocast's bf16 list).
+        upcast = torch.autocast(device_type="cpu", enabled=False)
     groups = query.shape[1] // key.shape[1]
     gqa = {}
     if groups > 1:
@@ -90,22 +107,34 @@ def segmented_attention(
         else:
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     outputs = []
-    for start, length, index, mask in zip(
-        segments.starts, segments.lengths, segments.key_index, segments.masks, strict=True
-    ):
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, start : start + length],
-                key.index_select(2, index),
-                value.index_select(2, index),
-                attn_mask=mask,
-                dropout_p=dropout,
-                is_causal=mask is None,
-                scale=scaling,
-                **gqa,
+    with upcast:
+        for start, length, index, mask in zip(
+            segments.starts, segments.lengths, segments.key_index, segments.masks, strict=True
+        ):
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, start : start + length],
+                    key.index_select(2, index),
+                    value.index_select(2, index),
+                    attn_mask=mask,
+                    dropout_p=dropout,
+                    is_causal=mask is None,
+                    scale=scaling,
+                    **gqa,
+                )
             )
-        )
-    return torch.cat(outputs, dim=2)
+    return torch.cat(outputs, dim=2).to(output_dtype)
+
+
+def _attention_dtypes(query: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """The dtype SDPA computes in and the one its output takes: what SDPA alone would do (its
+    inputs', or autocast's), except float32 to compute on a CPU where that is bf16 or fp16 (see
+    :func:`segmented_attention`). Under autocast the queries themselves may be float32 (the rotary
+    embedding promotes them); autocast still casts them down inside SDPA."""
+    if query.device.type != "cpu":
+        return query.dtype, query.dtype
+    output = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    return (torch.float32 if output in (torch.bfloat16, torch.float16) else output), output
 
 
 def _sdpa_or_segments(
