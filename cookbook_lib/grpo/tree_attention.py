@@ -85,13 +85,13 @@ def segmented_attention(
     values ``[1, KV, L, D]`` (KV dividing H), each query seeing only its own sample's tokens.
 
     On a CPU, attention that SDPA would compute in bf16 or fp16 (its inputs', or autocast's) is
-    computed in float32, the output in the dtype SDPA would have given: the
-    CPU kernel's backward pass in bf16 runs its block products through oneDNN, which compiles a
-    kernel for every new block shape, and every segment's lengths give new ones. The demo's warm-start
-    compiled ~12k of them, ~10 s of its ~60 s, and the stream evicted the linears' kernels from
-    oneDNN's bounded cache too (:mod:`cookbook_lib.runtime.onednn_caches`). In float32 the
-    products go to MKL, nothing is compiled, and 36 segments' forward and backward took 0.8x the
-    time of bf16's even with every kernel already compiled (docs/benchmarks.md, session 35).
+    computed in float32, the output in the dtype SDPA would have given. The CPU kernel's backward
+    pass in bf16 runs its block products through oneDNN, which compiles a kernel for every new
+    block shape, and every segment's lengths give new ones: the demo's warm-start compiled ~12k of
+    them, ~10 s of its ~60 s, and their stream evicted the linears' kernels from oneDNN's bounded
+    cache too (:mod:`cookbook_lib.runtime.onednn_caches`). In float32 the products go to MKL and
+    nothing is compiled; a bf16 training step took 0.62x the time (``bench/bench_step.py --dtype
+    auto``, docs/benchmarks.md, session 35).
     """
     compute_dtype, output_dtype = _attention_dtypes(query)
     upcast = contextlib.nullcontext()
