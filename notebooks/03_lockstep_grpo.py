@@ -93,7 +93,8 @@ from recipes.grpo.tool_use_game import DEMO_TIERS, demo_config, demo_setup
 # install on a Xeon with AMX, where `dtype="auto"` picks bf16, at a 4.0 GB peak, and later that day
 # 6.7 minutes, 7.9 with the install, once its sampling ran at 75-84 tokens/s instead of 34, at a
 # 4.2 GB peak; on 2026-12-07 on an AMD EPYC in float32, 15.7 and 18.2 minutes in two runs, sampling
-# at 22-25 tokens/s, at a 3.6 GB peak). The
+# at 22-25 tokens/s, at a 3.6 GB peak; on 2026-12-08 on the Xeon, 7.1 minutes with the install,
+# at a 3.6 GB peak). The
 # test suite sets `COOKBOOK_SMALL=1`, which shrinks everything to one GRPO step on two short
 # episodes, to check that the notebook runs (it learns nothing in one step).
 

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -186,6 +187,10 @@ def test_wandb_offline_run_is_written_and_resumed_under_the_same_id(tmp_path, mo
         monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
     run_dir = tmp_path / "run"
     for steps in ([1, 2], [3]):  # the second logger is the resumed process
+        if steps == [3]:
+            # wandb names a run's folder by its start time in whole seconds: two starts within one
+            # second would share a folder (seen in CI on a quiet machine).
+            time.sleep(1.0)
         with MetricsLogger(
             run_dir, wandb_project="cookbook-test", run_name="wb", config={"lr": 1e-3}
         ) as logger:
