@@ -40,6 +40,15 @@ def _file_mappings() -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
+def in_a_mapped_file(tensor: torch.Tensor, mappings: list[tuple[int, int]] | None = None) -> bool:
+    """Whether ``tensor``'s data lies in a mapping of a file (``mappings``: :func:`_file_mappings`'s,
+    read afresh when not given)."""
+    mappings = _file_mappings() if mappings is None else mappings
+    address = tensor.data_ptr()
+    index = bisect.bisect_right(mappings, (address, float("inf"))) - 1
+    return index >= 0 and address < mappings[index][1]
+
+
 def copy_file_mapped_parameters(module: torch.nn.Module) -> int:
     """Give each trainable CPU parameter of ``module`` that points into a mapped file a copy of its
     own (the Parameter object stays, so tied weights stay tied); returns the bytes copied."""
@@ -47,13 +56,10 @@ def copy_file_mapped_parameters(module: torch.nn.Module) -> int:
     if not parameters:
         return 0
     mappings = _file_mappings()
-    starts = [start for start, _ in mappings]
     copied = 0
     with torch.no_grad():
         for parameter in parameters:
-            address = parameter.data_ptr()
-            index = bisect.bisect_right(starts, address) - 1
-            if index >= 0 and address < mappings[index][1]:
+            if in_a_mapped_file(parameter, mappings):
                 parameter.data = parameter.data.clone()
                 copied += parameter.numel() * parameter.element_size()
     return copied
